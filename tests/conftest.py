@@ -1,0 +1,76 @@
+"""Tiny models built in the tests (no download) and the teacher-forced references engine tests compare to."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+import unison.engine.attention  # noqa: F401  (registers the "unison" attention implementation)
+
+torch.set_num_threads(2)
+
+
+def tiny_llama(seed: int = 0, vocab: int = 256, max_pos: int = 512, dtype=torch.float32) -> LlamaForCausalLM:
+    """Llama with GQA (4 query heads, 2 KV heads)."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                      eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    return LlamaForCausalLM._from_config(cfg, attn_implementation="unison", dtype=dtype).eval()
+
+
+def tiny_qwen3(seed: int = 0, vocab: int = 256, max_pos: int = 512, dtype=torch.float32) -> Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=max_pos,
+                      eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    return Qwen3ForCausalLM._from_config(cfg, attn_implementation="unison", dtype=dtype).eval()
+
+
+@pytest.fixture(params=["llama", "qwen3"])
+def model(request):
+    return {"llama": tiny_llama, "qwen3": tiny_qwen3}[request.param]()
+
+
+def random_prompts(lengths, vocab: int = 256, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(model, prompt_ids, token_ids, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
+    """log p(token_ids[i] | prompt, token_ids[:i]) from one plain forward, with the sampler's processing
+    (temperature, then top-k, then top-p, renormalised). Returns (len(token_ids),) float32."""
+    ids = torch.tensor([list(prompt_ids) + list(token_ids)])
+    logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float()
+    logits = logits / (temperature if temperature > 0 else 1.0)
+    if top_k > 0 or top_p < 1:
+        logits = torch.stack([nucleus_reference(row, top_k, top_p) for row in logits])
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(1, torch.tensor(token_ids)[:, None]).squeeze(1)
+
+
+def max_logprob_diff(model, completions, **sampling) -> float:
+    diff = 0.0
+    for c in completions:
+        ref = teacher_forced_logprobs(model, c.prompt_ids, c.token_ids, **sampling)
+        diff = max(diff, (ref - torch.tensor(c.logprobs)).abs().max().item())
+    return diff
+
+
+def nucleus_reference(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """One row, written independently of the sampler: keep the k most likely tokens, then the smallest set of
+    those (in order) whose renormalised mass reaches top_p; everything else -inf."""
+    order = logits.argsort(descending=True)
+    keep = order[:top_k] if top_k > 0 else order
+    probs = torch.softmax(logits[keep].double(), dim=0)
+    kept, mass = [], 0.0
+    for token, q in zip(keep.tolist(), probs.tolist(), strict=True):
+        if top_p < 1 and mass >= top_p:
+            break
+        kept.append(token)
+        mass += q
+    out = torch.full_like(logits, float("-inf"))
+    out[kept] = logits[kept]
+    return out

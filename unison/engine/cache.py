@@ -1,0 +1,116 @@
+"""The engine's KV memory: one pool of blocks for all layers, a ref-counted allocator, a prefix cache."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+import torch
+
+
+class KVPool:
+    """K and V for every layer: ``k[layer]``, ``v[layer]`` are ``(num_blocks * block_size, KVH, D)`` views of one
+    allocation, so the whole pool can later be lent to the training step as one piece of memory."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.num_slots = num_blocks * block_size
+        self.storage = torch.zeros(2, num_layers, self.num_slots, num_kv_heads, head_dim, dtype=dtype,
+                                   device=device)
+        self.k, self.v = self.storage[0], self.storage[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+
+class BlockAllocator:
+    """Blocks with reference counts, plus a prefix cache of full prompt blocks keyed by a chained hash.
+
+    A block with refcount 0 sits in the free queue (oldest first). If it still holds a cached prefix it stays
+    findable until the allocator hands it out again (LRU eviction). A cached block is *pending* from the time a
+    request allocates it until its KV is computed; only computed blocks are served to other requests.
+    """
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.refcount = [0] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.block_of: dict[int, int] = {}  # prefix hash -> block
+        self.hash_of: dict[int, int] = {}  # block -> prefix hash
+        self.computed: set[int] = set()  # cached blocks whose KV is written
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise RuntimeError(f"asked for {n} KV blocks, {len(self.free)} free")
+        blocks = []
+        for _ in range(n):
+            block, _ = self.free.popitem(last=False)
+            self._forget(block)
+            self.refcount[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def release(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self.refcount[block] -= 1
+            if self.refcount[block] == 0:
+                if block not in self.computed:
+                    self._forget(block)  # a pending prefix whose owner went away: nobody will compute it
+                self.free[block] = None
+
+    def acquire(self, block: int) -> None:
+        if self.refcount[block] == 0:
+            del self.free[block]
+        self.refcount[block] += 1
+
+    def lookup(self, hashes: list[int]) -> tuple[list[int], bool]:
+        """The longest run of computed cached blocks for these prefix hashes, and whether the first block not
+        served is pending (being computed by another request right now)."""
+        hits = []
+        for h in hashes:
+            block = self.block_of.get(h)
+            if block is None:
+                return hits, False
+            if block not in self.computed:
+                return hits, True
+            hits.append(block)
+        return hits, False
+
+    def register(self, block: int, h: int) -> None:
+        """Make ``block`` the pending cache entry for prefix hash ``h`` (unless another block has it)."""
+        if h not in self.block_of and block not in self.hash_of:
+            self.block_of[h] = block
+            self.hash_of[block] = h
+
+    def mark_computed(self, block: int) -> None:
+        if block in self.hash_of:
+            self.computed.add(block)
+
+    def clear_cache(self) -> None:
+        """Forget every cached prefix (their KV belongs to old weights); blocks in use stay with their owners."""
+        self.block_of.clear()
+        self.hash_of.clear()
+        self.computed.clear()
+
+    def _forget(self, block: int) -> None:
+        h = self.hash_of.pop(block, None)
+        if h is not None:
+            del self.block_of[h]
+        self.computed.discard(block)
+
+
+def prefix_hashes(tokens: list[int], block_size: int, num_blocks: int) -> list[int]:
+    """Chained hashes of the first ``num_blocks`` full blocks of ``tokens``: equal hashes mean equal prefixes."""
+    hashes, parent = [], b""
+    for i in range(num_blocks):
+        # 128-bit digests: a collision would silently serve another prompt's KV.
+        block = array("q", tokens[i * block_size:(i + 1) * block_size]).tobytes()
+        parent = hashlib.blake2b(parent + block, digest_size=16).digest()
+        hashes.append(int.from_bytes(parent, "little"))
+    return hashes

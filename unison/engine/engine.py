@@ -1,0 +1,230 @@
+"""The generation engine: continuous batching over a paged KV cache, decoding from the model's own parameters.
+
+The engine holds a reference to the training model, never a copy: an optimizer step that updates the
+parameters in place is what the next engine step decodes with. Call ``on_weights_updated()`` after such a
+step so that cached prompt KV computed with the old weights is never served again.
+
+>>> engine = Engine(model, EngineConfig(num_blocks=256, block_size=16))
+>>> done = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=8, n=4))
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .attention import ATTN_NAME, NO_MASK
+from .backend import AttentionBackend, PagedBatch, StepLayout, TorchPagedBackend
+from .cache import BlockAllocator, KVPool
+from .sampler import sample
+from .scheduler import Request, ScheduledChunk, Scheduler
+from .types import Completion, EngineConfig, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None,
+                 backend: AttentionBackend | None = None):
+        self.model = model
+        self.config = config = config or EngineConfig()
+        text = model.config.get_text_config()
+        if model.config._attn_implementation != ATTN_NAME:
+            # Once, before the engine's first forward; the unison function serves plain forwards exactly as
+            # SDPA does, so other users of the model see no change. Never switched back and forth.
+            log.info("switching %s to the %r attention implementation", type(model).__name__, ATTN_NAME)
+            model.set_attn_implementation(ATTN_NAME)
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.max_model_len = config.max_model_len or text.max_position_embeddings
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        self.pool = KVPool(text.num_hidden_layers, config.num_blocks, config.block_size, kv_heads, head_dim,
+                           self.dtype, self.device)
+        self.allocator = BlockAllocator(config.num_blocks)
+        self.scheduler = Scheduler(self.allocator, config.block_size, config.max_batch_tokens,
+                                   config.max_num_seqs, config.prefix_caching)
+        self.backend = backend or TorchPagedBackend(config.block_size, self.device)
+        self.version = 0
+        self.eos_ids = _eos_ids(model)
+        self.generator = torch.Generator(self.device)
+        if config.seed is not None:
+            self.generator.manual_seed(config.seed)
+        else:
+            self.generator.seed()
+        self._requests: dict[str, Request] = {}
+        self._done: list[Completion] = []  # finished outside step() (aborts) or not claimed by generate()
+        self._groups = 0
+        self._arrivals = 0
+        self._counters = {"steps": 0, "tokens_computed": 0, "tokens_generated": 0, "forward_s": 0.0}
+
+    # -- requests -----------------------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None) -> list[str]:
+        """Queue ``params.n`` samples of one prompt. Returns their request ids (one group)."""
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_ids]
+        self._validate(prompt, params)
+        group = f"g{self._groups}"
+        self._groups += 1
+        stop = frozenset(self.eos_ids if params.stop_token_ids is None else params.stop_token_ids)
+        max_len = min(len(prompt) + params.max_new_tokens, self.max_model_len)
+        ids = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(self.device).manual_seed(hash((params.seed, i)) & (2**62 - 1))
+            req = Request(f"{group}-{i}", group, prompt, params, stop, max_len, self._arrivals, gen)
+            self._arrivals += 1
+            self._requests[req.request_id] = req
+            self.scheduler.add(req)
+            ids.append(req.request_id)
+        return ids
+
+    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("empty prompt: a request needs at least one prompt token")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the context of "
+                             f"{self.max_model_len} tokens")
+        for t in params.stop_token_ids or ():
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"stop token id {t} is outside the vocabulary [0, {self.vocab_size})")
+        tokens = min(len(prompt) + params.max_new_tokens, self.max_model_len)
+        blocks = -(-tokens // self.config.block_size)
+        if blocks > self.config.num_blocks:
+            raise ValueError(f"a request of up to {tokens} tokens needs {blocks} KV blocks but the pool has "
+                             f"{self.config.num_blocks}: raise EngineConfig.num_blocks or lower max_new_tokens")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request; its completion (finish_reason "abort") comes out of the next ``step()``."""
+        req = self.scheduler.remove(request_id)
+        if req is None:
+            return False
+        self._done.append(self._complete(req, "abort"))
+        return True
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    # -- stepping -----------------------------------------------------------------------------------------
+
+    def step(self) -> list[Completion]:
+        """One scheduling step: admit, prefill a chunk, decode a token for every running request. Returns the
+        completions that finished in it."""
+        finished, self._done = self._done, []
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return finished
+        t0 = time.perf_counter()
+        logits = self._forward(chunks)
+        self.scheduler.after_forward(chunks)
+        sampling = [c.request for c in chunks if c.samples]
+        if sampling:
+            tokens, logprobs = sample(logits, [r.params.temperature for r in sampling],
+                                      [r.params.top_k for r in sampling], [r.params.top_p for r in sampling],
+                                      [r.generator for r in sampling], self.generator)
+            for req, token, logprob in zip(sampling, tokens.tolist(), logprobs.tolist(), strict=True):
+                reason = self._append(req, token, logprob)
+                if reason is not None:
+                    self.scheduler.finish(req)
+                    finished.append(self._complete(req, reason))
+        self._counters["steps"] += 1
+        self._counters["tokens_computed"] += sum(c.length for c in chunks)
+        self._counters["tokens_generated"] += len(sampling)
+        self._counters["forward_s"] += time.perf_counter() - t0
+        return finished
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[Completion]:
+        """Submit every prompt and step until all of their samples finish; completions in submission order.
+        Completions of other requests that finish meanwhile are kept for the next ``step()``."""
+        ids = [rid for prompt in prompts for rid in self.submit(prompt, params)]
+        wanted, got, others = set(ids), {}, []
+        while len(got) < len(ids):
+            for c in self.step():
+                (got.__setitem__(c.request_id, c) if c.request_id in wanted else others.append(c))
+        self._done.extend(others)
+        return [got[rid] for rid in ids]
+
+    def on_weights_updated(self) -> int:
+        """Call after every in-place update of the model's parameters. Returns the new weight version."""
+        self.version += 1
+        self.allocator.clear_cache()
+        if self.config.inflight_policy == "recompute":
+            self.scheduler.preempt_all()
+        return self.version
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {
+            **self._counters,
+            "version": self.version,
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "num_free_blocks": self.allocator.num_free,
+            "num_blocks": self.config.num_blocks,
+            "kv_pool_gib": self.pool.nbytes / 2**30,
+            "num_preemptions": s.num_preemptions,
+            "prefix_cache_hit_rate": s.prefix_hits / max(s.prefix_queries, 1),
+        }
+
+    # -- internals ----------------------------------------------------------------------------------------
+
+    def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """One forward over every scheduled token. Returns (S_sampling, V) logits of the sampling requests."""
+        bs = self.config.block_size
+        tokens, positions, slots, query_start, context_len, sample_at = [], [], [], [0], [], []
+        for chunk in chunks:
+            req, start, end = chunk.request, chunk.start, chunk.start + chunk.length
+            tokens += req.token_slice(start, end)
+            span = range(start, end)
+            positions += span
+            slots += [req.blocks[p // bs] * bs + p % bs for p in span]
+            query_start.append(query_start[-1] + chunk.length)
+            context_len.append(end)
+            if chunk.samples:
+                sample_at.append(query_start[-1] - 1)
+        dev = self.device
+        layout = StepLayout(query_start, context_len, [c.request.blocks for c in chunks],
+                            torch.tensor(slots, dtype=torch.int64, device=dev))
+        batch = PagedBatch(self.pool, self.backend, layout)
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([tokens], device=dev),
+                             position_ids=torch.tensor([positions], device=dev),
+                             attention_mask=NO_MASK, paged=batch, use_cache=False,
+                             logits_to_keep=torch.tensor(sample_at, dtype=torch.int64, device=dev))
+        return out.logits[0]
+
+    def _append(self, req: Request, token: int, logprob: float) -> str | None:
+        req.output.append(token)
+        req.logprobs.append(logprob)
+        req.versions.append(self.version)
+        if token in req.stop_ids:
+            return "stop"
+        if req.num_tokens >= req.max_len:
+            return "length"
+        return None
+
+    def _complete(self, req: Request, reason: str) -> Completion:
+        del self._requests[req.request_id]
+        return Completion(req.request_id, req.group_id, list(req.prompt), list(req.output), list(req.logprobs),
+                          reason, list(req.versions))
+
+
+def _eos_ids(model: torch.nn.Module) -> list[int]:
+    """Every eos id the model declares (generation config and config; some models end turns on several)."""
+    ids: list[int] = []
+    for cfg in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        for t in [eos] if isinstance(eos, int) else (eos or []):
+            if t not in ids:
+                ids.append(int(t))
+    return ids
