@@ -74,3 +74,15 @@ def nucleus_reference(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     out = torch.full_like(logits, float("-inf"))
     out[kept] = logits[kept]
     return out
+
+
+def tiny_tokenizer(vocab: int = 256):
+    """A real fast tokenizer: ids 0, 1, 2 are <pad>, <unk>, <eos>; id i >= 3 is the word "w{i}". No chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": 0, "<unk>": 1, "<eos>": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")

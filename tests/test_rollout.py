@@ -1,0 +1,121 @@
+"""The rollout loop: scoring, failure isolation, group advantages, zero-std drop, staleness."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from conftest import tiny_llama, tiny_tokenizer
+
+from unison.engine import Engine, EngineConfig
+from unison.rollout.advantage import group_advantages
+from unison.rollout.loop import RolloutConfig, RolloutLoop
+from unison.rollout.rewards import RewardScorer
+
+
+def count_w7(prompts, completions, **_):
+    """Varies across samples of a random model: how often the word w7 appears... plus its length, finely."""
+    return [c.split().count("w7") + 0.01 * len(c.split()) for c in completions]
+
+
+def rows(n=6):
+    return [{"prompt": " ".join(f"w{3 + (i * 7 + j) % 200}" for j in range(5 + i)), "answer": str(i)}
+            for i in range(n)]
+
+
+def make_loop(reward_fns, **cfg):
+    engine = Engine(tiny_llama(), EngineConfig(num_blocks=256, block_size=4, seed=0))
+    base = dict(group_size=4, samples_per_step=8, max_concurrent_rollouts=8, max_new_tokens=10)
+    base.update(cfg)
+    return RolloutLoop(engine, tiny_tokenizer(), rows(), reward_fns, RolloutConfig(**base), stop_token_ids=[2])
+
+
+def test_batches_have_group_advantages_and_engine_logprobs():
+    loop = make_loop([(count_w7, 1.0)])
+    batch, metrics = loop.next_batch(trainer_version=0)
+    assert len(batch) == 8
+    by_group = {}
+    for s in batch:
+        by_group.setdefault(s.group_id, []).append(s)
+        assert len(s.engine_logprobs) == len(s.completion_ids) and all(lp <= 0 for lp in s.engine_logprobs)
+    for group in by_group.values():
+        if len(group) == 4:  # a whole group: advantages are standardised within it
+            assert abs(sum(s.advantage for s in group)) < 1e-6
+            assert math.isclose(sum(s.advantage ** 2 for s in group) / 4, 1.0, rel_tol=1e-2)
+    assert metrics["reward/mean"] > 0 and metrics["rollout/groups"] >= 2
+
+
+def test_failing_reward_functions_are_counted_not_fatal():
+    calls = {"n": 0}
+
+    def flaky(prompts, completions, answer, **_):
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            raise RuntimeError("verifier crashed")
+        if calls["n"] % 3 == 1:
+            return [float("nan")]
+        return [1.0]
+
+    def wrong_length(prompts, completions, **_):
+        return [1.0, 2.0]
+
+    scorer = RewardScorer([(count_w7, 1.0), (flaky, 0.5)])
+    results = [scorer.score(["p"], ["w7 w7"], {"answer": ["1"]})[0] for _ in range(3)]
+    assert [r for r, _ in results] == [None, 2.02 + 0.5, None]
+    assert scorer.missing["flaky"] == 2 and results[0][1] == {"count_w7": 2.02}
+    bad = RewardScorer([(wrong_length, 1.0)])
+    assert bad.score(["p"], ["c"], {})[0][0] is None and bad.missing["wrong_length"] == 1
+
+    def rarely_failing(prompts, completions, **_):
+        calls["n"] += 1
+        return [float("nan")] if calls["n"] % 5 == 0 else [0.0]
+
+    loop = make_loop([(count_w7, 1.0), (rarely_failing, 1.0)])
+    batch, metrics = loop.next_batch(trainer_version=0)
+    assert len(batch) == 8 and metrics["rollout/missing_reward"] > 0
+
+
+def test_zero_std_groups_are_dropped_and_counted():
+    def constant(prompts, completions, **_):
+        return [1.0] * len(completions)
+
+    loop = make_loop([(constant, 1.0)])
+    with pytest.raises(RuntimeError, match="without spread"):
+        loop.next_batch(trainer_version=0)  # no group can ever carry signal: an error, not an endless loop
+    assert loop.counts["zero_std_groups"] >= 12 and not loop.ready
+
+
+def test_stale_samples_are_dropped():
+    loop = make_loop([(count_w7, 1.0)], max_staleness=0, samples_per_step=4, max_concurrent_rollouts=16)
+    first, _ = loop.next_batch(trainer_version=0)
+    assert all(s.oldest_version == 0 for s in first)
+    loop.engine.on_weights_updated()
+    batch, metrics = loop.next_batch(trainer_version=1)
+    assert all(s.oldest_version == 1 for s in batch)
+    assert metrics["rollout/stale_samples"] > 0 and metrics["rollout/staleness_max"] == 0
+
+
+def test_group_advantages():
+    assert group_advantages([1.0, 1.0, 1.0]) is None
+    assert group_advantages([0.1] * 8) is None
+    adv = group_advantages([0.0, 1.0])
+    assert adv == pytest.approx([-1.0, 1.0], abs=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"group_size": 4, "samples_per_step": 6}, "multiple of group_size"),
+    ({"group_size": 1}, "group_size"),
+    ({"max_concurrent_rollouts": 2}, "at least one group"),
+    ({"temperature": -1.0}, "temperature"),
+])
+def test_rollout_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RolloutConfig(**kwargs)
+
+
+def test_prompt_longer_than_context_is_skipped_and_counted():
+    loop = make_loop([(count_w7, 1.0)])
+    loop.rows.append({"prompt": " ".join(["w9"] * 600), "answer": "x"})
+    loop.order = [len(loop.rows) - 1]  # the long one comes first
+    batch, metrics = loop.next_batch(trainer_version=0)
+    assert len(batch) == 8 and metrics["rollout/skipped_prompts"] >= 1

@@ -1,0 +1,201 @@
+"""The rollout loop: prompts in, scored samples with group advantages out.
+
+It keeps up to ``max_concurrent_rollouts`` samples in flight in the engine, scores each completion as it lands,
+computes a group's advantages when its last sample lands, and hands out batches of ``samples_per_step``. The
+caller steps it between training steps; nothing runs in the background (DESIGN.md: one host thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from ..engine import Completion, Engine, SamplingParams
+from .advantage import group_advantages
+from .rewards import RewardFn, RewardScorer
+from .sample import Sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = 8
+    """Samples per prompt (G); advantages are relative within a group."""
+    samples_per_step: int = 32
+    """Scored samples per optimizer step; a multiple of group_size."""
+    max_concurrent_rollouts: int = 64
+    """Samples in flight in the engine at once."""
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_staleness: int = 1
+    """Samples sampled more than this many weight versions ago are dropped."""
+    advantage_eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (advantages are relative within a group), got {self.group_size}")
+        if self.samples_per_step < 1 or self.samples_per_step % self.group_size:
+            raise ValueError(f"samples_per_step ({self.samples_per_step}) must be a positive multiple of "
+                             f"group_size ({self.group_size})")
+        if self.max_concurrent_rollouts < self.group_size:
+            raise ValueError(f"max_concurrent_rollouts ({self.max_concurrent_rollouts}) must hold at least one "
+                             f"group ({self.group_size})")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                       top_k=self.top_k)  # validates the sampling fields
+
+
+@dataclass
+class _Group:
+    row: dict
+    prompt_text: str
+    prompt_ids: list[int]
+    pending: int
+    landed: list[tuple[Completion, float | None, dict[str, float]]]
+
+
+class RolloutLoop:
+    def __init__(self, engine: Engine, tokenizer, rows: list[dict], reward_fns: list[tuple[RewardFn, float]],
+                 cfg: RolloutConfig, stop_token_ids: list[int] | None = None, seed: int = 0):
+        if not rows:
+            raise ValueError("no prompts to roll out")
+        self.engine, self.tokenizer, self.rows, self.cfg = engine, tokenizer, rows, cfg
+        self.scorer = RewardScorer(reward_fns)
+        self.params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                     top_p=cfg.top_p, top_k=cfg.top_k, n=cfg.group_size,
+                                     stop_token_ids=stop_token_ids)
+        self.rng = random.Random(seed)
+        self.order: list[int] = []
+        self.epoch = 0
+        self.groups: dict[str, _Group] = {}
+        self.ready: list[Sample] = []
+        self.in_flight = 0
+        self.counts = Counter()
+        self.window: dict[str, list[float]] = {"reward": [], "length": [], "truncated": []}
+        self.window_parts: dict[str, list[float]] = {}
+        self.gen_tokens = 0
+        self.gen_time = 0.0
+
+    def next_batch(self, trainer_version: int) -> tuple[list[Sample], dict[str, float]]:
+        """Step the engine until ``samples_per_step`` fresh scored samples are ready; return them and metrics."""
+        t0 = time.perf_counter()
+        start_epoch = self.epoch
+        while True:
+            self._drop_stale(trainer_version)
+            if len(self.ready) >= self.cfg.samples_per_step:
+                break
+            if self.epoch > start_epoch + 2:
+                raise RuntimeError(f"two passes over the prompts gave no batch: {self.counts['zero_std_groups']} "
+                                   "groups so far had rewards without spread (all equal, or fewer than two "
+                                   "scored), which carry no signal")
+            self._fill()
+            if self.engine.num_unfinished == 0:
+                raise RuntimeError("the rollout loop has nothing in flight and too few samples: every prompt "
+                                   "was skipped (see rollout/skipped_prompts)")
+            t = time.perf_counter()
+            for completion in self.engine.step():
+                self._land(completion)
+            self.gen_time += time.perf_counter() - t
+        batch, self.ready = self.ready[:self.cfg.samples_per_step], self.ready[self.cfg.samples_per_step:]
+        return batch, self._metrics(batch, trainer_version, time.perf_counter() - t0)
+
+    def _fill(self) -> None:
+        while self.in_flight + self.cfg.group_size <= self.cfg.max_concurrent_rollouts:
+            row = self._next_row()
+            text = row["prompt"]
+            ids = self._encode(text)
+            try:
+                request_ids = self.engine.submit(ids, self.params)
+            except ValueError as e:  # e.g. a prompt longer than the context: skipped and counted
+                self.counts["skipped_prompts"] += 1
+                log.warning("skipping a prompt: %s", e)
+                if self.counts["skipped_prompts"] > 1000 and not self.groups:
+                    raise RuntimeError(f"every prompt so far was skipped; last reason: {e}") from e
+                continue
+            group_id = request_ids[0].rsplit("-", 1)[0]
+            self.groups[group_id] = _Group(row, text, ids, len(request_ids), [])
+            self.in_flight += len(request_ids)
+
+    def _next_row(self) -> dict:
+        if not self.order:
+            self.order = list(range(len(self.rows)))
+            self.rng.shuffle(self.order)
+            self.epoch += 1
+        return self.rows[self.order.pop()]
+
+    def _encode(self, text: str) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                     tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return self.tokenizer(text)["input_ids"]
+
+    def _land(self, completion: Completion) -> None:
+        group = self.groups[completion.group_id]
+        group.pending -= 1
+        self.in_flight -= 1
+        if completion.finish_reason == "abort" or not completion.token_ids:
+            self.counts["aborted"] += 1
+        else:
+            text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            columns = {k: [v] for k, v in group.row.items() if k != "prompt"}
+            (reward, parts), = self.scorer.score([group.prompt_text], [text], columns)
+            group.landed.append((completion, reward, parts))
+            self.window["length"].append(len(completion.token_ids))
+            self.window["truncated"].append(float(completion.finish_reason == "length"))
+            if reward is None:
+                self.counts["missing_reward"] += 1
+            else:
+                self.window["reward"].append(reward)
+                for name, value in parts.items():
+                    self.window_parts.setdefault(name, []).append(value)
+            self.gen_tokens += len(completion.token_ids)
+        if group.pending == 0:
+            self._close(completion.group_id)
+
+    def _close(self, group_id: str) -> None:
+        group = self.groups.pop(group_id)
+        scored = [(c, r) for c, r, _ in group.landed if r is not None]
+        advantages = group_advantages([r for _, r in scored], self.cfg.advantage_eps)
+        if advantages is None:
+            self.counts["zero_std_groups"] += 1
+            return
+        self.counts["groups"] += 1
+        for (c, r), a in zip(scored, advantages, strict=True):
+            self.ready.append(Sample(tuple(c.prompt_ids), tuple(c.token_ids), tuple(c.logprobs),
+                                     tuple(c.weight_versions), r, a, group_id, c.finish_reason))
+
+    def _drop_stale(self, trainer_version: int) -> None:
+        fresh = [s for s in self.ready if trainer_version - s.oldest_version <= self.cfg.max_staleness]
+        self.counts["stale_samples"] += len(self.ready) - len(fresh)
+        self.ready = fresh
+
+    def _metrics(self, batch: list[Sample], trainer_version: int, wait_s: float) -> dict[str, float]:
+        mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")
+        staleness = [trainer_version - s.oldest_version for s in batch]
+        m = {
+            "reward/mean": mean(self.window["reward"]),
+            "reward/trained_mean": mean([s.reward for s in batch]),
+            "completion/length_mean": mean(self.window["length"]),
+            "completion/truncated_frac": mean(self.window["truncated"]),
+            "rollout/wait_s": wait_s,
+            "rollout/tokens_per_s": self.gen_tokens / self.gen_time if self.gen_time else 0.0,
+            "rollout/staleness_mean": mean(staleness),
+            "rollout/staleness_max": float(max(staleness, default=0)),
+            "rollout/epoch": float(self.epoch),
+        }
+        for name, values in self.window_parts.items():
+            m[f"reward/{name}"] = mean(values)
+        for name in ("zero_std_groups", "groups", "skipped_prompts", "missing_reward", "stale_samples", "aborted"):
+            m[f"rollout/{name}"] = float(self.counts[name])
+        self.window = {k: [] for k in self.window}
+        self.window_parts = {}
+        self.gen_tokens, self.gen_time = 0, 0.0
+        return m

@@ -1,0 +1,78 @@
+"""Checkpoints in Hugging Face format: what plain ``AutoModelForCausalLM.from_pretrained`` loads.
+
+The live model runs with ``attn_implementation="unison"``, an implementation that exists only in a
+process that imported ``unison.engine.attention``. The saved config must not ask a loader for it: a
+checkpoint has to open in transformers, vLLM or an evaluation harness that has never heard of unison.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from unison.engine.attention import ATTN_NAME
+
+# Keys under which some transformers versions write the attention implementation into config.json.
+_ATTN_KEYS = ("attn_implementation", "_attn_implementation", "_attn_implementation_internal")
+
+
+def save_hf_checkpoint(model: Any, tokenizer: Any | None, path: str) -> str:
+    """Save ``model`` (safetensors, tied weights stored once) and ``tokenizer`` to the directory ``path``.
+
+    Atomic: everything is written to a temporary sibling directory that is renamed to ``path`` at the end,
+    so ``path`` never holds half a checkpoint; an existing checkpoint there is replaced only once the new
+    one is complete. Returns ``path``.
+    """
+    path = os.path.abspath(path)
+    parent, name = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)  # same filesystem: rename is atomic
+    try:
+        model.save_pretrained(tmp)
+        _drop_attn_implementation(os.path.join(tmp, "config.json"))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _drop_attn_implementation(config_path: str) -> None:
+    """Remove a forced ``"unison"`` attention from config.json (and nested sub-configs): loaders pick
+    their own default instead of failing on an unknown implementation."""
+    with open(config_path) as f:
+        config = json.load(f)
+    if _scrub(config):
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
+
+
+def _scrub(node: Any) -> bool:
+    changed = False
+    if isinstance(node, dict):
+        for key in _ATTN_KEYS:
+            value = node.get(key)  # a str, or a per-sub-config dict of them
+            if value == ATTN_NAME or (isinstance(value, dict) and ATTN_NAME in value.values()):
+                del node[key]
+                changed = True
+        for value in node.values():
+            changed |= _scrub(value)
+    return changed
+
+
+def _replace_dir(src: str, dst: str) -> None:
+    """Rename ``src`` to ``dst``. A directory cannot be renamed over a non-empty one, so an old ``dst`` is
+    first moved aside and deleted after: between the two renames ``dst`` is briefly absent, never partial."""
+    if not os.path.exists(dst):
+        os.rename(src, dst)
+        return
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.old-", dir=os.path.dirname(dst))
+    os.rename(dst, os.path.join(old, "ckpt"))
+    os.rename(src, dst)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,152 @@
+"""Policy logprobs of the trained tokens: one varlen decoder forward, then a chunked lm_head.
+
+Only the M loss positions of a row go through the lm_head, and never more than ``chunk_size`` of them
+at a time: full [T, vocab] fp32 logits for a 16k-token row of a 152k-vocab model would take ~10 GB,
+a 1024-row chunk takes ~0.6 GB. The backward recomputes each chunk's logits rather than storing them.
+
+The quantity is log softmax(logits / temperature) of the target token over the full vocabulary: the
+same processed logprob the engine reports when top_p = 1 and top_k = 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from unison.engine.attention import NO_MASK
+from unison.train.packing import PackedRow
+
+
+def policy_logprobs(model: torch.nn.Module, row: PackedRow, temperature: float = 1.0, chunk_size: int = 1024,
+                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs of ``row.targets`` at the row's loss positions, in ``row.loss_mask`` order.
+
+    ``model`` is a transformers causal LM built with ``attn_implementation="unison"``; ``row`` is on the
+    model's device. Returns (logprobs: (M,) float32, differentiable w.r.t. the model's parameters;
+    entropy: (M,) float32 of softmax(logits / temperature), detached, or None unless ``with_entropy``).
+    """
+    _check_plain_lm_head(model)
+    decoder = _decoder(model)
+    hidden = decoder(
+        input_ids=row.input_ids,
+        position_ids=row.position_ids,
+        attention_mask=NO_MASK,
+        cu_seq_lens_q=row.cu_seqlens,
+        cu_seq_lens_k=row.cu_seqlens,
+        max_length_q=row.max_seqlen,
+        max_length_k=row.max_seqlen,
+        use_cache=False,
+    ).last_hidden_state  # (1, T, H)
+    positions = row.loss_mask.nonzero().squeeze(1)
+    selected = hidden[0].index_select(0, positions)  # (M, H)
+    targets = row.targets.index_select(0, positions)
+    weight = model.get_output_embeddings().weight
+    return chunked_logprobs(selected, weight, targets, temperature, chunk_size, with_entropy)
+
+
+def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                     temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(hidden @ weight.T / temperature)[targets], ``chunk_size`` rows at a time.
+
+    hidden: (M, H) in weight's dtype; weight: (V, H); targets: (M,) int64. Returns (logprobs: (M,)
+    float32, entropy: (M,) float32 detached or None). Gradients flow to ``hidden`` and ``weight``; a
+    weight tied to the input embedding accumulates both contributions in the one Parameter.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    logp, entropy = _ChunkedLogprobs.apply(hidden, weight, targets, 1.0 / temperature, chunk_size,
+                                           with_entropy)
+    return logp, (entropy if with_entropy else None)
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """Matmuls in the weight's dtype (bf16 on the GPU); log-sum-exp, softmax and grad_weight in fp32.
+
+    Saves only hidden, weight, targets and the per-token log-sum-exp; backward recomputes the logits.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, inv_temp, chunk_size, with_entropy):
+        m = hidden.shape[0]
+        logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(logp)
+        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+        for start in range(0, m, chunk_size):
+            end = min(start + chunk_size, m)
+            z = _scaled_logits(hidden[start:end], weight, inv_temp)  # (c, V) float32
+            chunk_lse = torch.logsumexp(z, dim=-1)
+            lse[start:end] = chunk_lse
+            logp[start:end] = z.gather(1, targets[start:end, None]).squeeze(1) - chunk_lse
+            if with_entropy:
+                log_probs = z - chunk_lse[:, None]  # not lse - sum(p * z): that cancels at large logits
+                entropy[start:end] = -(log_probs.exp() * log_probs).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.inv_temp, ctx.chunk_size = inv_temp, chunk_size
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if grad_logp is None or not (need_h or need_w):
+            return None, None, None, None, None, None
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # One fp32 accumulator across chunks: summing bf16 partial products would round each chunk.
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            end = min(start + ctx.chunk_size, hidden.shape[0])
+            h = hidden[start:end]
+            z = _scaled_logits(h, weight, ctx.inv_temp)
+            g = grad_logp[start:end].float()
+            # d logp / d z = onehot(target) - softmax(z); the 1/T of z = logits / T goes into the scale.
+            dz = torch.exp(z - lse[start:end, None]).mul_(-g[:, None])
+            dz.scatter_add_(1, targets[start:end, None], g[:, None])
+            dlogits = dz.mul_(ctx.inv_temp).to(weight.dtype)  # (c, V)
+            if need_h:
+                grad_h[start:end] = dlogits @ weight
+            if need_w:
+                grad_w += (dlogits.T @ h).float()
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+
+
+def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, inv_temp: float) -> torch.Tensor:
+    """hidden: (c, H); weight: (V, H). Returns (c, V) float32 logits / temperature."""
+    return (hidden @ weight.T).float().mul_(inv_temp)
+
+
+def full_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                            temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain full-logits computation ``chunked_logprobs`` must equal (for tests; O(M x V) memory).
+
+    hidden: (M, H); weight: (V, H); targets: (M,) int64. Returns (logprobs: (M,) float32, entropy: (M,)
+    float32), both differentiable.
+    """
+    log_probs = torch.log_softmax((hidden @ weight.T).float() / temperature, dim=-1)
+    logp = log_probs.gather(1, targets[:, None]).squeeze(1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return logp, entropy
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The base model that returns final hidden states (``model.model`` for Llama, Qwen3, ...)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None or decoder is model:
+        decoder = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if decoder is None or decoder is model:
+        raise ValueError(f"cannot find the decoder of {type(model).__name__}")
+    return decoder
+
+
+def _check_plain_lm_head(model: torch.nn.Module) -> None:
+    """The chunked lm_head computes hidden @ W.T only; refuse heads that would make it silently wrong."""
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "bias", None) is not None:
+        raise ValueError(f"{type(model).__name__}: policy_logprobs needs a bias-free linear lm_head")
+    config = getattr(model, "config", None)
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        raise ValueError(f"{type(model).__name__}: final_logit_softcapping is not supported")
+    if getattr(config, "logits_scaling", 1.0) != 1.0 or getattr(config, "logit_scale", 1.0) != 1.0:
+        raise ValueError(f"{type(model).__name__}: scaled output logits are not supported")
