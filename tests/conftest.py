@@ -42,8 +42,8 @@ def random_prompts(lengths, vocab: int = 256, seed: int = 0) -> list[list[int]]:
 def teacher_forced_logprobs(model, prompt_ids, token_ids, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
     """log p(token_ids[i] | prompt, token_ids[:i]) from one plain forward, with the sampler's processing
     (temperature, then top-k, then top-p, renormalised). Returns (len(token_ids),) float32."""
-    ids = torch.tensor([list(prompt_ids) + list(token_ids)])
-    logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float()
+    ids = torch.tensor([list(prompt_ids) + list(token_ids)], device=model.device)
+    logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float().cpu()
     logits = logits / (temperature if temperature > 0 else 1.0)
     if top_k > 0 or top_p < 1:
         logits = torch.stack([nucleus_reference(row, top_k, top_p) for row in logits])
