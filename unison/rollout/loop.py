@@ -63,10 +63,12 @@ class _Group:
 
 class RolloutLoop:
     def __init__(self, engine: Engine, tokenizer, rows: list[dict], reward_fns: list[tuple[RewardFn, float]],
-                 cfg: RolloutConfig, stop_token_ids: list[int] | None = None, seed: int = 0):
+                 cfg: RolloutConfig, stop_token_ids: list[int] | None = None, seed: int = 0,
+                 system_prompt: str | None = None):
         if not rows:
             raise ValueError("no prompts to roll out")
         self.engine, self.tokenizer, self.rows, self.cfg = engine, tokenizer, rows, cfg
+        self.system_prompt = system_prompt
         self.scorer = RewardScorer(reward_fns)
         self.params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                      top_p=cfg.top_p, top_k=cfg.top_k, n=cfg.group_size,
@@ -131,11 +133,13 @@ class RolloutLoop:
         return self.rows[self.order.pop()]
 
     def _encode(self, text: str) -> list[int]:
-        if getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                     tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        return self.tokenizer(text)["input_ids"]
+        """The chat template applied (assistant turn opened) where the tokenizer has one, else the plain text."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer(text)["input_ids"]
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        messages.append({"role": "user", "content": text})
+        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
     def _land(self, completion: Completion) -> None:
         group = self.groups[completion.group_id]
@@ -180,8 +184,11 @@ class RolloutLoop:
     def _metrics(self, batch: list[Sample], trainer_version: int, wait_s: float) -> dict[str, float]:
         mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")
         staleness = [trainer_version - s.oldest_version for s in batch]
+        # Rewards of every completion scored since the last batch, zero-std groups included (the trained ones
+        # alone overstate how often the policy succeeds); the batch's own when nothing new landed.
+        rewards = self.window["reward"] or [s.reward for s in batch]
         m = {
-            "reward/mean": mean(self.window["reward"]),
+            "reward/mean": mean(rewards),
             "reward/trained_mean": mean([s.reward for s in batch]),
             "completion/length_mean": mean(self.window["length"]),
             "completion/truncated_frac": mean(self.window["truncated"]),

@@ -1,0 +1,102 @@
+"""`unison train` end to end on a tiny model saved as a local HF folder: the run directory, lr 0 agreement."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import tiny_llama, tiny_tokenizer
+
+from unison.config import load_config
+from unison.tasks import Task
+from unison.train.config import TrainConfig
+from unison.train.loop import train
+
+
+def count_w7(prompts, completions, **_):
+    return [c.split().count("w7") + 0.01 * len(c.split()) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    model, tok = tiny_llama(), tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def task():
+    rows = [{"prompt": " ".join(f"w{3 + (i * 11 + j) % 250}" for j in range(4 + i % 5)), "answer": "w7"}
+            for i in range(20)]
+    return Task("tiny", rows, [(count_w7, 1.0)])
+
+
+def run_cfg(model_dir, out, *overrides):
+    return load_config(TrainConfig, None, [
+        f"--output_dir={out}", f"--model.name_or_path={model_dir}", "--max_steps=3", "--rollout.group_size=4",
+        "--rollout.samples_per_step=8", "--rollout.max_concurrent_rollouts=16", "--rollout.max_new_tokens=12",
+        "--engine.num_blocks=256", "--engine.block_size=8", "--step.max_tokens_per_row=64", *overrides])
+
+
+def test_run_directory_and_checkpoint(model_dir, tmp_path):
+    out = tmp_path / "run"
+    last = train(run_cfg(model_dir, out, "--optim.lr=1e-3"), task())
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for key in ("reward/mean", "time/step_s", "is/clipfrac", "mismatch/logprob_diff_mean", "loss"):
+        assert all(r[key] is not None for r in records), key
+    assert last["optim/changed_frac"] > 0
+    assert (out / "curves.png").stat().st_size > 1000
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(out))
+    resolved = load_config(TrainConfig, str(out / "config.yaml"))
+    assert resolved.optim.lr == 1e-3 and resolved.rollout.group_size == 4
+    # The checkpoint loads in plain transformers (no unison import) and holds the trained weights.
+    probe = ("import sys, torch; from transformers import AutoModelForCausalLM; "
+             "m = AutoModelForCausalLM.from_pretrained(sys.argv[1]); "
+             "print(m.model.embed_tokens.weight.double().sum().item())")
+    got = subprocess.run([sys.executable, "-c", probe, str(out / "checkpoint")], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": ""})
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(model_dir).model.embed_tokens.weight.double().sum().item()
+    assert float(got.stdout.split()[-1]) != pytest.approx(start, abs=1e-9)
+
+
+def test_engine_and_trainer_agree_at_lr_zero(model_dir, tmp_path):
+    train(run_cfg(model_dir, tmp_path / "lr0", "--optim.lr=0.0", "--max_steps=3"), task())
+    records = [json.loads(line) for line in (tmp_path / "lr0" / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        assert r["mismatch/logprob_diff_mean"] < 1e-5  # fp32: engine and trainer compute the same function
+        assert r["mismatch/logprob_diff_max"] < 1e-4
+        assert r["is/clipfrac"] == 0 and r["is/dropped_frac"] == 0
+        assert r["optim/changed_frac"] == 0
+
+
+def test_bad_inputs_have_clear_errors(model_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does-not-exist"):
+        train(run_cfg(str(tmp_path / "does-not-exist"), tmp_path / "x"), task())
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="empty"):
+        train(run_cfg(model_dir, tmp_path / "y", f"--data.source={empty}"))
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        run_cfg(model_dir, tmp_path / "z", "--rollout.samples_per_step=6")
+
+
+def test_sdpa_model_is_refused_for_packed_training():
+    from transformers import LlamaForCausalLM
+
+    from unison.train.step import check_packed_attention
+
+    model = tiny_llama()
+    sdpa = LlamaForCausalLM._from_config(type(model.config)(**model.config.to_dict()), attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="attend to each other"):
+        check_packed_attention(sdpa)
+    check_packed_attention(model)
+    torch.testing.assert_close(sdpa.model.embed_tokens.weight.shape, model.model.embed_tokens.weight.shape)

