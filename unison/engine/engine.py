@@ -18,6 +18,7 @@ import torch
 from .attention import ATTN_NAME, NO_MASK
 from .backend import AttentionBackend, PagedBatch, StepLayout, TorchPagedBackend
 from .cache import BlockAllocator, KVPool
+from .lm_head import check_plain_lm_head, decoder_of, lm_head_fp32
 from .sampler import sample
 from .scheduler import Request, ScheduledChunk, Scheduler
 from .types import Completion, EngineConfig, SamplingParams
@@ -38,7 +39,11 @@ class Engine:
             model.set_attn_implementation(ATTN_NAME)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        # Decoder to the final hidden states, then the same fp32-output projection the trainer uses.
+        check_plain_lm_head(model)
+        self.decoder = decoder_of(model)
+        self.lm_head_weight = model.get_output_embeddings().weight
+        self.vocab_size = self.lm_head_weight.shape[0]
         self.max_model_len = config.max_model_len or text.max_position_embeddings
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -197,11 +202,11 @@ class Engine:
                             torch.tensor(slots, dtype=torch.int64, device=dev))
         batch = PagedBatch(self.pool, self.backend, layout)
         with torch.inference_mode():
-            out = self.model(input_ids=torch.tensor([tokens], device=dev),
-                             position_ids=torch.tensor([positions], device=dev),
-                             attention_mask=NO_MASK, paged=batch, use_cache=False,
-                             logits_to_keep=torch.tensor(sample_at, dtype=torch.int64, device=dev))
-        return out.logits[0]
+            hidden = self.decoder(input_ids=torch.tensor([tokens], device=dev),
+                                  position_ids=torch.tensor([positions], device=dev),
+                                  attention_mask=NO_MASK, paged=batch, use_cache=False).last_hidden_state[0]
+            rows = hidden.index_select(0, torch.tensor(sample_at, dtype=torch.int64, device=dev))
+            return lm_head_fp32(rows, self.lm_head_weight)
 
     def _append(self, req: Request, token: int, logprob: float) -> str | None:
         req.output.append(token)

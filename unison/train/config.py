@@ -44,17 +44,19 @@ class StepConfig:
 class TrainConfig:
     output_dir: str = "runs/default"
     """Run directory: config.yaml, metrics.jsonl, TensorBoard events, curves.png, checkpoint/."""
-    max_steps: int = 40
+    max_steps: int = 30
     seed: int = 0
     save_every: int = 0
     """Also save a checkpoint every this many steps (0: only at the end)."""
     tensorboard: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    # CPU-sized default: 4 prompts x 8 samples per step, completions up to 64 tokens (bench/task_probe.py).
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(
+        group_size=8, samples_per_step=32, max_concurrent_rollouts=64, max_new_tokens=64))
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_blocks=1024, block_size=16))
     loss: LossConfig = field(default_factory=LossConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5))
     step: StepConfig = field(default_factory=StepConfig)
 
     def __post_init__(self):

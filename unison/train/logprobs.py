@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from unison.engine.attention import NO_MASK
+from unison.engine.lm_head import check_plain_lm_head, decoder_of, lm_head_fp32
 from unison.train.packing import PackedRow
 
 
@@ -24,8 +25,8 @@ def policy_logprobs(model: torch.nn.Module, row: PackedRow, temperature: float =
     model's device. Returns (logprobs: (M,) float32, differentiable w.r.t. the model's parameters;
     entropy: (M,) float32 of softmax(logits / temperature), detached, or None unless ``with_entropy``).
     """
-    _check_plain_lm_head(model)
-    decoder = _decoder(model)
+    check_plain_lm_head(model)
+    decoder = decoder_of(model)
     hidden = decoder(
         input_ids=row.input_ids,
         position_ids=row.position_ids,
@@ -62,7 +63,8 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """Matmuls in the weight's dtype (bf16 on the GPU); log-sum-exp, softmax and grad_weight in fp32.
+    """Matmul operands in the weight's dtype (bf16 on the GPU) with fp32 logits; log-sum-exp, softmax and
+    grad_weight in fp32.
 
     Saves only hidden, weight, targets and the per-token log-sum-exp; backward recomputes the logits.
     """
@@ -114,7 +116,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
 def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, inv_temp: float) -> torch.Tensor:
     """hidden: (c, H); weight: (V, H). Returns (c, V) float32 logits / temperature."""
-    return (hidden @ weight.T).float().mul_(inv_temp)
+    return lm_head_fp32(hidden, weight).mul_(inv_temp)
 
 
 def full_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -124,29 +126,7 @@ def full_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targets:
     hidden: (M, H); weight: (V, H); targets: (M,) int64. Returns (logprobs: (M,) float32, entropy: (M,)
     float32), both differentiable.
     """
-    log_probs = torch.log_softmax((hidden @ weight.T).float() / temperature, dim=-1)
+    log_probs = torch.log_softmax(lm_head_fp32(hidden, weight) / temperature, dim=-1)
     logp = log_probs.gather(1, targets[:, None]).squeeze(1)
     entropy = -(log_probs.exp() * log_probs).sum(-1)
     return logp, entropy
-
-
-def _decoder(model: torch.nn.Module) -> torch.nn.Module:
-    """The base model that returns final hidden states (``model.model`` for Llama, Qwen3, ...)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if decoder is None or decoder is model:
-        decoder = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    if decoder is None or decoder is model:
-        raise ValueError(f"cannot find the decoder of {type(model).__name__}")
-    return decoder
-
-
-def _check_plain_lm_head(model: torch.nn.Module) -> None:
-    """The chunked lm_head computes hidden @ W.T only; refuse heads that would make it silently wrong."""
-    head = model.get_output_embeddings()
-    if head is None or getattr(head, "bias", None) is not None:
-        raise ValueError(f"{type(model).__name__}: policy_logprobs needs a bias-free linear lm_head")
-    config = getattr(model, "config", None)
-    if getattr(config, "final_logit_softcapping", None) is not None:
-        raise ValueError(f"{type(model).__name__}: final_logit_softcapping is not supported")
-    if getattr(config, "logits_scaling", 1.0) != 1.0 or getattr(config, "logit_scale", 1.0) != 1.0:
-        raise ValueError(f"{type(model).__name__}: scaled output logits are not supported")

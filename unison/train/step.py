@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.attention import ATTN_NAME, NO_MASK
+from ..engine.lm_head import decoder_of
 from ..rollout.sample import Sample
 from .logprobs import policy_logprobs
 from .loss import LossConfig, MetricAccumulator, grpo_loss
@@ -56,7 +57,7 @@ def check_packed_attention(model: torch.nn.Module) -> None:
         raise ValueError(f"packed training needs attn_implementation={ATTN_NAME!r}; the model uses {impl!r}, which "
                          "would let packed samples attend to each other")
     device = next(model.parameters()).device
-    decoder = model.get_decoder()
+    decoder = decoder_of(model)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, 12), generator=g).to(device)
     pos = torch.cat([torch.arange(5), torch.arange(7)])[None].to(device)
