@@ -130,16 +130,26 @@ def test_gym_rows_and_gold_answers_score_full(source):
     assert min(task.score(gold, task.rows)) >= 1.2
 
 
-def test_default_task_is_easy_arithmetic():
-    task = load_task(DataConfig(size=20))
-    assert task.name == "basic_arithmetic"
+def test_default_task_is_one_digit_sums():
+    task = load_task(DataConfig(size=30))
+    assert task.name == "chain_sum"
     ops = set()
     for row in task.rows:
-        a, op, b = row["question"].removeprefix("Calculate ").rstrip(".").split(" ")
-        assert 0 <= int(a) <= 10 and 0 <= int(b) <= 10  # one digit: randint(0, 10) upstream
+        a, op, b = row["question"].split(": ")[1].rstrip(" =").split(" ")
+        assert 0 <= int(a) <= 9 and 0 <= int(b) <= 9
         assert int(row["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
         ops.add(op)
     assert ops == {"+", "-"}
+
+
+def test_numeric_answers_get_no_substring_credit():
+    task = load_task(DataConfig(source="basic_arithmetic", size=30, seed=1))
+    row = next(r for r in task.rows if len(r["answer"]) == 1 and r["answer"] != "0")
+    exact = task.reward_fns[0][0]
+    columns = {k: [row[k]] for k in ("answer", "question", "metadata")}
+    assert exact.score("1" + row["answer"], row) > 0  # reasoning-gym's own scorer: substring credit
+    assert exact([row["prompt"]], [f"<answer>1{row['answer']}</answer>"], **columns) == [0.0]
+    assert exact([row["prompt"]], ["<answer>0123456789</answer>"], **columns) == [0.0]
 
 
 def test_gym_config_errors():

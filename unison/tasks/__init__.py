@@ -22,7 +22,9 @@ from unison.tasks.rewards import FormatReward, MathReward, RewardFn, combine
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TASK = "basic_arithmetic"
+# One-digit a + b / a - b. SmolLM2-135M-Instruct at T=0.7 (bench/task_probe.py, 64 samples): 27% exact,
+# reward spread in every group of 8, 19 tokens per completion: low enough to climb, never all-equal.
+DEFAULT_TASK = "chain_sum"
 
 __all__ = ["DEFAULT_TASK", "DataConfig", "Task", "chat_prompt", "combine", "load_rows", "load_task"]
 

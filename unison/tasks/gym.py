@@ -5,8 +5,8 @@ from __future__ import annotations
 from unison.tasks import DataConfig, Task
 from unison.tasks.rewards import ClosenessReward, ExactAnswerReward, FormatReward
 
-# The easiest setting of each task a small model is likely to be trained on. SmolLM2-135M-Instruct
-# solved 0/32 of reasoning-gym's default settings of these; bench/task_probe.py measures the presets.
+# The easiest settings of each task: SmolLM2-135M-Instruct solved none of reasoning-gym's default
+# settings; bench/task_probe.py measures these presets.
 PRESETS: dict[str, dict] = {
     "basic_arithmetic": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=("+", "-"),
                              allow_parentheses=False, allow_negation=False),
@@ -18,8 +18,9 @@ PRESETS: dict[str, dict] = {
     "word_sequence_reversal": dict(min_words=2, max_words=3),
 }
 
-# Shown after every question. No worked example: SmolLM2-135M copied "<answer>42</answer>"'s 42 as its
-# answer (bench/task_probe.py: 16% correct with it, 38% without).
+# Shown after every question. No worked example: SmolLM2-135M copies it ("The answer is: 42"); on one-digit
+# sums (bench/task_probe.py) "for example <answer>42</answer>" cut exact answers from 27% to 22% at T=1.0
+# and from 58% to 41% at T=0.7.
 ANSWER_FORMAT = "Put the final answer in <answer></answer> tags."
 
 

@@ -112,7 +112,10 @@ def _format_score(completion: str) -> float:
 class ExactAnswerReward:
     """``score(extracted, row) -> [0, 1]`` on the extracted answer; 0.0 when nothing is extracted.
 
-    ``score`` defaults to string equality with the ``answer`` column after normalising numbers.
+    ``score`` defaults to string equality with the ``answer`` column after normalising numbers. Where
+    the gold answer is a number only a full score counts: reasoning-gym's scorers give substring credit
+    ("14" earns 0.5 for gold "4", "0123456789" earns 0.1 for any digit), a reward a policy can farm;
+    ``ClosenessReward`` is the partial credit for numbers.
     """
 
     def __init__(self, score: Callable[[str, dict], float] | None = None):
@@ -123,7 +126,10 @@ class ExactAnswerReward:
         for i, completion in enumerate(completions):
             answer = extract_answer(completion)
             row = {k: v[i] for k, v in columns.items()}
-            out.append(0.0 if answer is None else float(self.score(answer, row)))
+            score = 0.0 if answer is None else float(self.score(answer, row))
+            if score < 1.0 and to_number(str(row.get("answer"))) is not None:
+                score = 0.0
+            out.append(score)
         return out
 
 
