@@ -119,3 +119,12 @@ def test_prompt_longer_than_context_is_skipped_and_counted():
     loop.order = [len(loop.rows) - 1]  # the long one comes first
     batch, metrics = loop.next_batch(trainer_version=0)
     assert len(batch) == 8 and metrics["rollout/skipped_prompts"] >= 1
+
+
+def test_no_usable_prompt_is_an_error_not_a_hang():
+    loop = make_loop([(count_w7, 1.0)])
+    loop.rows[:] = [{"prompt": " ".join(["w9"] * 600), "answer": "x"}] * 3
+    loop.order = []
+    with pytest.raises(RuntimeError, match="no prompt can be rolled out"):
+        loop.next_batch(trainer_version=0)
+    assert loop.counts["skipped_prompts"] == 3

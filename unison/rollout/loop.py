@@ -109,6 +109,7 @@ class RolloutLoop:
         return batch, self._metrics(batch, trainer_version, time.perf_counter() - t0)
 
     def _fill(self) -> None:
+        skipped_in_a_row = 0
         while self.in_flight + self.cfg.group_size <= self.cfg.max_concurrent_rollouts:
             row = self._next_row()
             text = row["prompt"]
@@ -118,9 +119,13 @@ class RolloutLoop:
             except ValueError as e:  # e.g. a prompt longer than the context: skipped and counted
                 self.counts["skipped_prompts"] += 1
                 log.warning("skipping a prompt: %s", e)
-                if self.counts["skipped_prompts"] > 1000 and not self.groups:
-                    raise RuntimeError(f"every prompt so far was skipped; last reason: {e}") from e
+                skipped_in_a_row += 1
+                if skipped_in_a_row >= len(self.rows):  # a whole pass without a usable prompt
+                    if not self.groups:
+                        raise RuntimeError(f"no prompt can be rolled out; the last was skipped because: {e}") from e
+                    return
                 continue
+            skipped_in_a_row = 0
             group_id = request_ids[0].rsplit("-", 1)[0]
             self.groups[group_id] = _Group(row, text, ids, len(request_ids), [])
             self.in_flight += len(request_ids)
