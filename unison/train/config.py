@@ -44,7 +44,7 @@ class StepConfig:
 class TrainConfig:
     output_dir: str = "runs/default"
     """Run directory: config.yaml, metrics.jsonl, TensorBoard events, curves.png, checkpoint/."""
-    max_steps: int = 30
+    max_steps: int = 25
     seed: int = 0
     save_every: int = 0
     """Also save a checkpoint every this many steps (0: only at the end)."""
