@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -41,7 +42,9 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     model, tokenizer = load_policy(cfg.model.name_or_path, dtype=getattr(torch, dtype), device=device)
     check_packed_attention(model)
     task = task or load_task(cfg.data)
-    engine = Engine(model, cfg.engine)
+    # The run's seed drives sampling too, unless the engine section sets its own.
+    engine_cfg = cfg.engine if cfg.engine.seed is not None else dataclasses.replace(cfg.engine, seed=cfg.seed)
+    engine = Engine(model, engine_cfg)
     stop_ids = stop_token_ids(tokenizer, model)
     rollout = RolloutLoop(engine, tokenizer, task.rows, task.reward_fns, cfg.rollout, stop_ids, seed=cfg.seed,
                           system_prompt=task.system_prompt)
