@@ -66,6 +66,15 @@ def test_failing_reward_functions_are_counted_not_fatal():
     bad = RewardScorer([(wrong_length, 1.0)])
     assert bad.score(["p"], ["c"], {})[0][0] is None and bad.missing["wrong_length"] == 1
 
+    def not_applicable(prompts, completions, **_):
+        return [None] * len(completions)
+
+    # None means "does not apply": it adds nothing and is not a failure; with nothing applying, no reward.
+    partial = RewardScorer([(count_w7, 1.0), (not_applicable, 5.0)])
+    assert partial.score(["p"], ["w7"], {})[0] == (pytest.approx(1.01), {"count_w7": pytest.approx(1.01)})
+    assert partial.missing["not_applicable"] == 0
+    assert RewardScorer([(not_applicable, 1.0)]).score(["p"], ["w7"], {})[0][0] is None
+
     def rarely_failing(prompts, completions, **_):
         calls["n"] += 1
         return [float("nan")] if calls["n"] % 5 == 0 else [0.0]

@@ -2,8 +2,9 @@
 
 A reward function is ``fn(prompts, completions, **columns) -> list[float | None]``: ``columns`` holds the
 dataset row's other fields as lists aligned with ``prompts`` (``answer=[...]``). ``None`` means "no reward for
-this one". An exception, a NaN, a wrong-length result: each is logged and counted as a missing reward, never
-a crash of a long run.
+this one" (a closeness reward on a non-numeric answer): it adds nothing. An exception, a NaN or inf, a
+wrong-length result: each is logged and counted as a missing reward, never a crash of a long run; a completion
+with a missing reward (or none that applies) gets no reward and is not trained on.
 
 >>> def exact(prompts, completions, answer, **_):
 ...     return [float(c.strip() == a) for c, a in zip(completions, answer)]
@@ -30,7 +31,8 @@ class RewardScorer:
 
     def score(self, prompts: list[str], completions: list[str], columns: dict[str, list]
               ) -> list[tuple[float | None, dict[str, float]]]:
-        """Per completion: the weighted reward (None if any function gave none) and each function's value."""
+        """Per completion: the weighted reward of the functions that apply (None where one failed or none
+        applies) and each applying function's value."""
         n = len(completions)
         totals: list[float | None] = [0.0] * n
         parts: list[dict[str, float]] = [{} for _ in range(n)]
@@ -38,16 +40,18 @@ class RewardScorer:
             name = getattr(fn, "__name__", type(fn).__name__)
             values = self._call(fn, name, prompts, completions, columns)
             for i, v in enumerate(values):
-                if v is None or not math.isfinite(v):
+                if v is None:  # does not apply to this completion
+                    continue
+                if v is _FAILED or not math.isfinite(v):
                     self.missing[name] += 1
                     totals[i] = None
                     continue
                 parts[i][name] = v
                 if totals[i] is not None:
                     totals[i] += weight * v
-        return list(zip(totals, parts, strict=True))
+        return [(t if p else None, p) for t, p in zip(totals, parts, strict=True)]
 
-    def _call(self, fn: RewardFn, name: str, prompts, completions, columns) -> list[float | None]:
+    def _call(self, fn: RewardFn, name: str, prompts, completions, columns) -> list:
         try:
             values = list(fn(prompts, completions, **columns))
             if len(values) != len(completions):
@@ -55,4 +59,7 @@ class RewardScorer:
             return [None if v is None else float(v) for v in values]
         except Exception as e:  # a user's reward function must not end the run
             log.warning("reward function %s failed: %s: %s", name, type(e).__name__, e)
-            return [None] * len(completions)
+            return [_FAILED] * len(completions)
+
+
+_FAILED = float("nan")  # what a failed call scores: counted as missing, like a NaN
