@@ -56,9 +56,8 @@ class RolloutConfig:
 class _Group:
     row: dict
     prompt_text: str
-    prompt_ids: list[int]
-    pending: int
-    landed: list[tuple[Completion, float | None, dict[str, float]]]
+    pending: int  # samples still in the engine
+    landed: list[tuple[Completion, float | None]]
 
 
 class RolloutLoop:
@@ -78,7 +77,6 @@ class RolloutLoop:
         self.epoch = 0
         self.groups: dict[str, _Group] = {}
         self.ready: list[Sample] = []
-        self.in_flight = 0
         self.counts = Counter()
         self.window: dict[str, list[float]] = {"reward": [], "length": [], "truncated": []}
         self.window_parts: dict[str, list[float]] = {}
@@ -98,15 +96,16 @@ class RolloutLoop:
                                    "groups so far had rewards without spread (all equal, or fewer than two "
                                    "scored), which carry no signal")
             self._fill()
-            if self.engine.num_unfinished == 0:
-                raise RuntimeError("the rollout loop has nothing in flight and too few samples: every prompt "
-                                   "was skipped (see rollout/skipped_prompts)")
             t = time.perf_counter()
             for completion in self.engine.step():
                 self._land(completion)
             self.gen_time += time.perf_counter() - t
         batch, self.ready = self.ready[:self.cfg.samples_per_step], self.ready[self.cfg.samples_per_step:]
         return batch, self._metrics(batch, trainer_version, time.perf_counter() - t0)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(group.pending for group in self.groups.values())
 
     def _fill(self) -> None:
         skipped_in_a_row = 0
@@ -127,8 +126,7 @@ class RolloutLoop:
                 continue
             skipped_in_a_row = 0
             group_id = request_ids[0].rsplit("-", 1)[0]
-            self.groups[group_id] = _Group(row, text, ids, len(request_ids), [])
-            self.in_flight += len(request_ids)
+            self.groups[group_id] = _Group(row, text, len(request_ids), [])
 
     def _next_row(self) -> dict:
         if not self.order:
@@ -149,14 +147,13 @@ class RolloutLoop:
     def _land(self, completion: Completion) -> None:
         group = self.groups[completion.group_id]
         group.pending -= 1
-        self.in_flight -= 1
         if completion.finish_reason == "abort" or not completion.token_ids:
             self.counts["aborted"] += 1
         else:
             text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
             columns = {k: [v] for k, v in group.row.items() if k != "prompt"}
             (reward, parts), = self.scorer.score([group.prompt_text], [text], columns)
-            group.landed.append((completion, reward, parts))
+            group.landed.append((completion, reward))
             self.window["length"].append(len(completion.token_ids))
             self.window["truncated"].append(float(completion.finish_reason == "length"))
             if reward is None:
@@ -171,7 +168,7 @@ class RolloutLoop:
 
     def _close(self, group_id: str) -> None:
         group = self.groups.pop(group_id)
-        scored = [(c, r) for c, r, _ in group.landed if r is not None]
+        scored = [(c, r) for c, r in group.landed if r is not None]
         advantages = group_advantages([r for _, r in scored], self.cfg.advantage_eps)
         if advantages is None:
             self.counts["zero_std_groups"] += 1
