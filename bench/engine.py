@@ -1,9 +1,13 @@
-"""Engine throughput: N concurrent requests of random prompts, sampled to a fixed length.
+"""Engine throughput: unison and transformers' continuous batching on the same workloads, in one run.
 
-    python bench/engine.py --device cpu                         # tiny model, prints tokens/s and peak memory
-    python bench/engine.py --device cuda --shape qwen3-0.6b --concurrency 256 --prompt 128 --new 256
+    python bench/engine.py --device cpu                      # tiny model, quick
+    python bench/engine.py --device cuda --suite issue --json bench/results/h200/engine.json
 
-Random weights of the named shape (no download). Not a test: numbers, not assertions.
+A workload is N concurrent requests of random prompts (random bf16 weights of a named shape, no download),
+sampled at T=1 with logprobs to a fixed length (no stop tokens). Reported per workload: generated tokens/s,
+ms per decode step, host ms per step (scheduling, inputs, bookkeeping: everything but waiting for the device),
+peak GPU memory, and a roofline: the time to read, each decode step, every weight once and the whole live KV
+once at the measured copy bandwidth (prefill counted at the measured bf16 matmul rate). Not a test: numbers.
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ import resource
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+import transformers
+from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
 
 from unison.engine import Engine, EngineConfig, SamplingParams
+from unison.engine.lm_head import lm_head_fp32
 
 SHAPES = {
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
@@ -31,64 +37,210 @@ SHAPES = {
                      num_key_value_heads=8, head_dim=128, vocab_size=151936),
 }
 
+# (shape, concurrency, prompt tokens, new tokens, run transformers' engine too)
+SUITES = {
+    "issue": [("qwen3-0.6b", 256, 128, 256, True), ("qwen3-4b", 64, 128, 256, True),
+              ("qwen3-4b", 256, 128, 256, False), ("qwen3-8b", 64, 128, 256, False),
+              ("qwen3-8b", 256, 128, 256, False), ("qwen3-0.6b", 64, 128, 4096, False)],
+    "quick": [("qwen3-0.6b", 256, 128, 256, False)],
+}
 
-def build(shape: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
+
+def build(shape: str, device: str, dtype: torch.dtype, attn: str) -> torch.nn.Module:
     cfg = Qwen3Config(**SHAPES[shape], max_position_embeddings=40960, tie_word_embeddings=shape != "qwen3-8b")
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="unison", dtype=dtype)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype)
     return model.eval()
 
 
-def run(args) -> dict:
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    model = build(args.shape, args.device, dtype)
-    tokens_per_req = args.prompt + args.new
-    blocks = args.concurrency * -(-tokens_per_req // args.block_size) + 8
-    engine = Engine(model, EngineConfig(num_blocks=blocks, block_size=args.block_size, seed=0,
-                                        max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.concurrency))
+def prompts_for(vocab: int, n: int, length: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, model.config.vocab_size, (args.prompt,), generator=g).tolist()
-               for _ in range(args.concurrency)]
-    params = SamplingParams(max_new_tokens=args.new, temperature=1.0, stop_token_ids=())
-    engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, stop_token_ids=()))  # warm-up
-    if args.device == "cuda":
+    return [torch.randint(10, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
         torch.cuda.synchronize()
+
+
+def peak_gib(device: str) -> float:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def run_unison(model, prompts, new: int, args, attention: str = "auto") -> tuple[dict, list]:
+    tokens_per_req = len(prompts[0]) + new
+    blocks = len(prompts) * -(-tokens_per_req // args.block_size) + 8
+    engine = Engine(model, EngineConfig(num_blocks=blocks, block_size=args.block_size, seed=0, attention=attention,
+                                        max_batch_tokens=args.max_batch_tokens, max_num_seqs=len(prompts)))
+    # Warm-up at the same concurrency: compiles the kernels and captures the decode graphs the run will use.
+    engine.generate(prompts, SamplingParams(max_new_tokens=4, stop_token_ids=()))
+    sync(args.device)
+    if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    steps0 = engine.stats()["steps"]
+    before = engine.stats()
     t0 = time.perf_counter()
-    done = engine.generate(prompts, params)
-    if args.device == "cuda":
-        torch.cuda.synchronize()
+    done = engine.generate(prompts, SamplingParams(max_new_tokens=new, temperature=1.0, stop_token_ids=()))
+    sync(args.device)
     elapsed = time.perf_counter() - t0
+    after = engine.stats()
+    steps = after["steps"] - before["steps"]
+    graph_steps = after["graph_steps"] - before["graph_steps"]
     generated = sum(len(c.token_ids) for c in done)
-    steps = engine.stats()["steps"] - steps0
-    peak = (torch.cuda.max_memory_allocated() if args.device == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    return {"name": f"{args.shape}/{args.concurrency}x({args.prompt}+{args.new})", "device": args.device,
-            "tokens_per_s": generated / elapsed, "ms_per_step": 1e3 * elapsed / steps, "steps": steps,
-            "generated_tokens": generated, "peak_gib": peak / 2**30, "elapsed_s": elapsed}
+    result = {"tokens_per_s": generated / elapsed, "elapsed_s": elapsed, "generated_tokens": generated,
+              "steps": steps, "decode_graph_steps": graph_steps, "ms_per_step": 1e3 * elapsed / steps,
+              "host_ms_per_step": 1e3 * (after["host_s"] - before["host_s"]) / steps,
+              "peak_gib": peak_gib(args.device), "attention": type(engine.backend).__name__,
+              "graphs_captured": after["graphs_captured"]}
+    result["ms_per_decode_step"] = decode_step_ms(engine, prompts, args) if args.device == "cuda" else None
+    return result, done
+
+
+def decode_step_ms(engine: Engine, prompts, args) -> float:
+    """Median wall time of one full decode step (schedule, graph replay, sampling, bookkeeping) of all requests
+    at a mid-run context: the requests decode 64 tokens, the last 32 steps are timed one by one."""
+    for p in prompts:
+        engine.submit(p, SamplingParams(max_new_tokens=64, stop_token_ids=()))
+    times = []
+    while engine.num_unfinished:
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * sorted(times[-32:])[len(times[-32:]) // 2]
+
+
+def run_transformers_cb(shape: str, prompts, new: int, args) -> dict:
+    model = build(shape, args.device, torch.bfloat16, "sdpa")
+    gen = GenerationConfig(max_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                           eos_token_id=-1, pad_token_id=0)
+    cb = transformers.ContinuousBatchingConfig(use_cuda_graph=args.device == "cuda", return_logprobs=True,
+                                               max_requests_per_batch=len(prompts))
+    model.generate_batch(prompts[:4], generation_config=GenerationConfig(
+        max_new_tokens=4, do_sample=True, eos_token_id=-1, pad_token_id=0), continuous_batching_config=cb)
+    sync(args.device)
+    t0 = time.perf_counter()
+    out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+    sync(args.device)
+    elapsed = time.perf_counter() - t0
+    generated = sum(len(o.generated_tokens) for o in out.values())
+    del model
+    return {"tokens_per_s": generated / elapsed, "elapsed_s": elapsed, "generated_tokens": generated,
+            "version": transformers.__version__, "attn_implementation": "sdpa", "cuda_graphs": args.device == "cuda"}
+
+
+@torch.no_grad()
+def logprob_agreement(model, done, count: int = 8) -> dict:
+    """|engine logprob - teacher-forced logprob| over ``count`` completions; the teacher-forced side is one plain
+    forward (transformers' SDPA path) with the same fp32-output projection the trainer uses."""
+    diffs = []
+    weight = model.get_output_embeddings().weight
+    for c in done[:count]:
+        ids = torch.tensor([c.prompt_ids + c.token_ids], device=weight.device)
+        hidden = model.model(input_ids=ids).last_hidden_state[0, len(c.prompt_ids) - 1:-1]
+        logp = torch.log_softmax(lm_head_fp32(hidden, weight), dim=-1)
+        ref = logp.gather(1, torch.tensor(c.token_ids, device=ids.device)[:, None]).squeeze(1).cpu()
+        diffs.append((ref - torch.tensor(c.logprobs)).abs())
+    d = torch.cat(diffs)
+    return {"mean_abs_diff": d.mean().item(), "max_abs_diff": d.max().item(), "tokens": d.numel()}
+
+
+def machine_ceilings(device: str) -> dict:
+    """Copy bandwidth (bytes read + written) and bf16 matmul rate, measured here."""
+    if device != "cuda":
+        return {"copy_bytes_per_s": None, "bf16_flops_per_s": None}
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")  # 1 GiB, several times the L2
+    y = torch.empty_like(x)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+
+    def timed(fn, reps):
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps
+
+    copy_s = timed(lambda: y.copy_(x), 20)
+    mm_s = timed(lambda: a @ b, 20)
+    return {"copy_bytes_per_s": 2 * x.numel() / copy_s, "bf16_flops_per_s": 2 * 8192**3 / mm_s}
+
+
+def roofline(shape: str, concurrency: int, prompt: int, new: int, ceilings: dict) -> float | None:
+    """Generated tokens over the least time: each decode step reads every weight once (the lm_head included, the
+    embedding table only for its rows) and the whole live KV once; prefill does 2 * params FLOPs per token."""
+    if ceilings["copy_bytes_per_s"] is None:
+        return None
+    s = SHAPES[shape]
+    h, layers, kvh, d = s["hidden_size"], s["num_hidden_layers"], s["num_key_value_heads"], s["head_dim"]
+    heads, inter, vocab = s["num_attention_heads"], s["intermediate_size"], s["vocab_size"]
+    per_layer = h * heads * d * 2 + h * kvh * d * 2 + 3 * h * inter
+    params = layers * per_layer + vocab * h
+    kv_per_token = 2 * layers * kvh * d * 2  # bytes, bf16
+    decode_bytes = sum(2 * params + concurrency * (prompt + t) * kv_per_token for t in range(new))
+    seconds = decode_bytes / ceilings["copy_bytes_per_s"] + \
+        2 * params * concurrency * prompt / ceilings["bf16_flops_per_s"]
+    return concurrency * new / seconds
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--suite", default=None, choices=sorted(SUITES), help="named set of workloads")
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
-    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"])
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new", type=int, default=64)
+    p.add_argument("--transformers", action="store_true", help="also run transformers' continuous batching")
+    p.add_argument("--reference", action="store_true", help="also report the reference path's logprob agreement")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-batch-tokens", type=int, default=2048)
-    p.add_argument("--json", default=None, help="write the result here")
+    p.add_argument("--max-batch-tokens", type=int, default=8192)
+    p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
-    args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
-    result = run(args)
-    print(f"{result['name']} on {args.device}: {result['tokens_per_s']:.0f} tokens/s, "
-          f"{result['ms_per_step']:.1f} ms/step, peak {result['peak_gib']:.2f} GiB")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    workloads = SUITES[args.suite] if args.suite else [
+        (args.shape, args.concurrency, args.prompt, args.new, args.transformers)]
+    ceilings = machine_ceilings(args.device)
+    results = []
+    for shape, conc, prompt, new, with_hf in workloads:
+        name = f"{shape}/{conc}x({prompt}+{new})"
+        dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+        model = build(shape, args.device, dtype, "unison")
+        prompts = prompts_for(model.config.vocab_size, conc, prompt)
+        entry = {"name": name, "roofline_tokens_per_s": roofline(shape, conc, prompt, new, ceilings)}
+        entry["unison"], done = run_unison(model, prompts, new, args)
+        if len(results) == 0 and args.device == "cuda":
+            entry["logprob_agreement"] = {"fast": logprob_agreement(model, done)}
+            if args.reference:
+                few = prompts[:8]
+                _, ref_done = run_unison(model, few, new, args, attention="torch")
+                _, fast_done = run_unison(model, few, new, args)
+                entry["logprob_agreement"] = {"fast": logprob_agreement(model, fast_done),
+                                              "reference": logprob_agreement(model, ref_done)}
+        del model, done
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        entry["transformers_cb"] = run_transformers_cb(shape, prompts, new, args) if with_hf else None
+        results.append(entry)
+        u = entry["unison"]
+        print(f"{name}: unison {u['tokens_per_s']:.0f} tok/s ({u['ms_per_decode_step'] or 0:.2f} ms/decode step, "
+              f"host {u['host_ms_per_step']:.2f} ms/step, peak {u['peak_gib']:.1f} GiB)"
+              + (f", transformers {entry['transformers_cb']['tokens_per_s']:.0f} tok/s"
+                 if entry["transformers_cb"] else "") + f", roofline {entry['roofline_tokens_per_s'] or 0:.0f}",
+              flush=True)
+        if args.json:  # after every workload, so a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                           "torch": torch.__version__, "ceilings": ceilings, "workloads": results}, f, indent=2)
+    print(f"{'workload':32s} {'unison tok/s':>12s} {'ms/decode':>9s} {'hf tok/s':>9s} {'roofline':>9s}")
+    for e in results:
+        hf = e["transformers_cb"]["tokens_per_s"] if e["transformers_cb"] else float("nan")
+        print(f"{e['name']:32s} {e['unison']['tokens_per_s']:12.0f} {e['unison']['ms_per_decode_step'] or 0:9.2f} "
+              f"{hf:9.0f} {e['roofline_tokens_per_s'] or 0:9.0f}")
 
 
 if __name__ == "__main__":

@@ -43,11 +43,15 @@ class AttentionBackend(Protocol):
 class PagedBatch:
     """Engine metadata passed as ``model(..., paged=batch)``; the attention function calls ``attend``."""
 
-    def __init__(self, pool: KVPool, backend: AttentionBackend, layout: StepLayout):
+    def __init__(self, pool: KVPool, backend: AttentionBackend, slot_mapping: torch.Tensor, state: object):
         self.pool = pool
         self.backend = backend
-        self.slot_mapping = layout.slot_mapping
-        self.state = backend.prepare(layout)
+        self.slot_mapping = slot_mapping
+        self.state = state
+
+    @classmethod
+    def for_layout(cls, pool: KVPool, backend: AttentionBackend, layout: StepLayout) -> PagedBatch:
+        return cls(pool, backend, layout.slot_mapping, backend.prepare(layout))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                window: int | None) -> torch.Tensor:
@@ -83,9 +87,7 @@ class TorchPagedBackend:
         decode, prefills = [], []
         for s, (start, end) in enumerate(zip(layout.query_start[:-1], layout.query_start[1:], strict=True)):
             length = layout.context_len[s]
-            positions = torch.arange(length)
-            blocks = torch.tensor(layout.block_tables[s][: -(-length // bs)], dtype=torch.int64)
-            slots = blocks.repeat_interleave(bs)[:length] * bs + positions % bs
+            slots = context_slots(layout.block_tables[s], length, bs)
             if end - start == 1:
                 decode.append((start, slots, length))
             else:
@@ -114,19 +116,33 @@ class TorchPagedBackend:
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None, None, :], scale=scale,
                                                enable_gqa=gqa)
             out[state.decode_tokens] = o.squeeze(2)
-        for start, end, slots in state.prefills:
-            qp = q[start:end].transpose(0, 1)  # (H, T, D)
-            kp, vp = k_pool[slots].transpose(0, 1), v_pool[slots].transpose(0, 1)  # (KVH, L, D)
-            length, t = slots.shape[0], end - start
-            if t == length and window is None:
-                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
-            else:
-                keys = torch.arange(length, device=q.device)
-                queries = torch.arange(length - t, length, device=q.device)
-                mask = _key_mask(keys[None, :], queries[:, None], window)  # (T, L)
-                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
-            out[start:end] = o.transpose(0, 1)
+        prefill_reference(state.prefills, k_pool, v_pool, q, out, scale, window)
         return out
+
+
+def context_slots(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
+    """(length,) int64 pool slots of a sequence's first ``length`` positions."""
+    positions = torch.arange(length)
+    blocks = torch.tensor(block_table[: -(-length // block_size)], dtype=torch.int64)
+    return blocks.repeat_interleave(block_size)[:length] * block_size + positions % block_size
+
+
+def prefill_reference(prefills: list[tuple[int, int, torch.Tensor]], k_pool: torch.Tensor, v_pool: torch.Tensor,
+                      q: torch.Tensor, out: torch.Tensor, scale: float, window: int | None) -> None:
+    """Multi-token chunks one request at a time: (token start, token end, context slots) each; writes ``out``."""
+    gqa = q.shape[1] != k_pool.shape[1]
+    for start, end, slots in prefills:
+        qp = q[start:end].transpose(0, 1)  # (H, T, D)
+        kp, vp = k_pool[slots].transpose(0, 1), v_pool[slots].transpose(0, 1)  # (KVH, L, D)
+        length, t = slots.shape[0], end - start
+        if t == length and window is None:
+            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            keys = torch.arange(length, device=q.device)
+            queries = torch.arange(length - t, length, device=q.device)
+            mask = _key_mask(keys[None, :], queries[:, None], window)  # (T, L)
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[start:end] = o.transpose(0, 1)
 
 
 def _key_mask(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -10,9 +10,11 @@ step so that cached prompt KV computed with the old weights is never served agai
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 
+import numpy as np
 import torch
 
 from .attention import ATTN_NAME, NO_MASK
@@ -48,12 +50,18 @@ class Engine:
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        self.pool = KVPool(text.num_hidden_layers, config.num_blocks, config.block_size, kv_heads, head_dim,
+        # One block more than the allocator hands out: the scratch block that padded graph rows write into.
+        self.pool = KVPool(text.num_hidden_layers, config.num_blocks + 1, config.block_size, kv_heads, head_dim,
                            self.dtype, self.device)
         self.allocator = BlockAllocator(config.num_blocks)
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_batch_tokens,
                                    config.max_num_seqs, config.prefix_caching)
-        self.backend = backend or TorchPagedBackend(config.block_size, self.device)
+        self.backend = backend or self._default_backend(kv_heads)
+        self.runner = None
+        if config.cuda_graphs and hasattr(self.backend, "decode_state"):  # a backend with a static decode step
+            from .graphs import DecodeRunner
+            self.runner = DecodeRunner(self.decoder, self.lm_head_weight, self.pool, self.backend,
+                                       config.max_num_seqs, self.max_model_len, scratch_block=config.num_blocks)
         self.version = 0
         self.eos_ids = _eos_ids(model)
         self.generator = torch.Generator(self.device)
@@ -61,11 +69,29 @@ class Engine:
             self.generator.manual_seed(config.seed)
         else:
             self.generator.seed()
+        # The fused one-pass sampler goes with the Triton backend; it keys its noise by a per-row seed.
+        self._fused_sample = None
+        if hasattr(self.backend, "decode_state"):
+            from .triton_sampler import FusedSampler
+            self._fused_sample = FusedSampler(self.device, config.max_num_seqs)
+        self._seed_rng = np.random.default_rng(config.seed)
         self._requests: dict[str, Request] = {}
         self._done: list[Completion] = []  # finished outside step() (aborts) or not claimed by generate()
         self._groups = 0
         self._arrivals = 0
-        self._counters = {"steps": 0, "tokens_computed": 0, "tokens_generated": 0, "forward_s": 0.0}
+        self._phases: dict[str, float] | None = None
+        self._phase_t = 0.0
+        self._counters = {"steps": 0, "graph_steps": 0, "tokens_computed": 0, "tokens_generated": 0,
+                          "step_s": 0.0, "wait_s": 0.0}
+
+    def _default_backend(self, kv_heads: int) -> AttentionBackend:
+        choice = self.config.attention
+        if choice == "auto":
+            choice = "triton" if self.device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+        if choice == "torch":
+            return TorchPagedBackend(self.config.block_size, self.device)
+        from .triton_backend import TritonPagedBackend
+        return TritonPagedBackend(self.config.block_size, kv_heads, self.device, self.dtype)
 
     # -- requests -----------------------------------------------------------------------------------------
 
@@ -80,10 +106,11 @@ class Engine:
         max_len = min(len(prompt) + params.max_new_tokens, self.max_model_len)
         ids = []
         for i in range(params.n):
-            gen = None
+            gen = seed = None
             if params.seed is not None:
-                gen = torch.Generator(self.device).manual_seed(hash((params.seed, i)) & (2**62 - 1))
-            req = Request(f"{group}-{i}", group, prompt, params, stop, max_len, self._arrivals, gen)
+                seed = hash((params.seed, i)) & (2**52 - 1)
+                gen = torch.Generator(self.device).manual_seed(seed)
+            req = Request(f"{group}-{i}", group, prompt, params, stop, max_len, self._arrivals, gen, seed)
             self._arrivals += 1
             self._requests[req.request_id] = req
             self.scheduler.add(req)
@@ -126,26 +153,31 @@ class Engine:
         """One scheduling step: admit, prefill a chunk, decode a token for every running request. Returns the
         completions that finished in it."""
         finished, self._done = self._done, []
+        t0 = self._phase_t = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
             return finished
-        t0 = time.perf_counter()
+        self._phase("schedule")
         logits = self._forward(chunks)
+        self._phase("forward")
         self.scheduler.after_forward(chunks)
         sampling = [c.request for c in chunks if c.samples]
         if sampling:
-            tokens, logprobs = sample(logits, [r.params.temperature for r in sampling],
-                                      [r.params.top_k for r in sampling], [r.params.top_p for r in sampling],
-                                      [r.generator for r in sampling], self.generator)
-            for req, token, logprob in zip(sampling, tokens.tolist(), logprobs.tolist(), strict=True):
+            tokens, logprobs = self._sample(logits, sampling)
+            self._phase("sample")
+            t1 = time.perf_counter()
+            tokens, logprobs = tokens.tolist(), logprobs.tolist()  # the step's one wait for the device
+            self._counters["wait_s"] += time.perf_counter() - t1
+            for req, token, logprob in zip(sampling, tokens, logprobs, strict=True):
                 reason = self._append(req, token, logprob)
                 if reason is not None:
                     self.scheduler.finish(req)
                     finished.append(self._complete(req, reason))
+            self._phase("finish")
         self._counters["steps"] += 1
         self._counters["tokens_computed"] += sum(c.length for c in chunks)
         self._counters["tokens_generated"] += len(sampling)
-        self._counters["forward_s"] += time.perf_counter() - t0
+        self._counters["step_s"] += time.perf_counter() - t0
         return finished
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[Completion]:
@@ -177,15 +209,51 @@ class Engine:
             "num_free_blocks": self.allocator.num_free,
             "num_blocks": self.config.num_blocks,
             "kv_pool_gib": self.pool.nbytes / 2**30,
+            "host_s": self._counters["step_s"] - self._counters["wait_s"],
+            "graphs_captured": self.runner.num_captured if self.runner is not None else 0,
             "num_preemptions": s.num_preemptions,
             "prefix_cache_hit_rate": s.prefix_hits / max(s.prefix_queries, 1),
         }
 
     # -- internals ----------------------------------------------------------------------------------------
 
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        temperature = [r.params.temperature for r in reqs]
+        if self._fused_sample is not None and all(r.params.top_k == 0 and r.params.top_p == 1 for r in reqs):
+            drawn = self._seed_rng.integers(0, 2**52, len(reqs)).tolist()
+            seeds = [d if r.seed is None else (r.seed * 1000003 + len(r.output)) & (2**52 - 1)
+                     for r, d in zip(reqs, drawn, strict=True)]
+            return self._fused_sample(logits, temperature, seeds)
+        return sample(logits, temperature, [r.params.top_k for r in reqs], [r.params.top_p for r in reqs],
+                      [r.generator for r in reqs], self.generator)
+
+    def profile_phases(self, enable: bool = True) -> dict[str, float]:
+        """Diagnostics: with ``enable``, every step synchronises the device after each phase (schedule, forward,
+        sample, finish) and adds the phase's seconds to the returned dict. Slows steps down; off by default."""
+        self._phases = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "finish": 0.0} if enable else None
+        self._phase_t = time.perf_counter()
+        return self._phases
+
+    def _phase(self, name: str) -> None:
+        if self._phases is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self._phases[name] += now - self._phase_t
+        self._phase_t = now
+
     def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """One forward over every scheduled token. Returns (S_sampling, V) logits of the sampling requests."""
+        """One forward over every scheduled token. Returns (S_sampling, V) fp32 logits of the sampling requests."""
         bs = self.config.block_size
+        if (self.runner is not None and len(chunks) <= self.runner.max_batch
+                and all(c.length == 1 and c.samples for c in chunks)):
+            self._counters["graph_steps"] += 1
+            reqs = [c.request for c in chunks]
+            positions = [c.start for c in chunks]
+            return self.runner([r.output[-1] if r.output else r.prompt[-1] for r in reqs], positions,
+                               [r.blocks[p // bs] * bs + p % bs for r, p in zip(reqs, positions, strict=True)],
+                               [r.blocks for r in reqs])
         tokens, positions, slots, query_start, context_len, sample_at = [], [], [], [0], [], []
         for chunk in chunks:
             req, start, end = chunk.request, chunk.start, chunk.start + chunk.length
@@ -200,7 +268,7 @@ class Engine:
         dev = self.device
         layout = StepLayout(query_start, context_len, [c.request.blocks for c in chunks],
                             torch.tensor(slots, dtype=torch.int64, device=dev))
-        batch = PagedBatch(self.pool, self.backend, layout)
+        batch = PagedBatch.for_layout(self.pool, self.backend, layout)
         with torch.inference_mode():
             hidden = self.decoder(input_ids=torch.tensor([tokens], device=dev),
                                   position_ids=torch.tensor([positions], device=dev),

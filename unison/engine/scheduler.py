@@ -22,7 +22,8 @@ from .types import SamplingParams
 
 class Request:
     def __init__(self, request_id: str, group_id: str, prompt: list[int], params: SamplingParams,
-                 stop_ids: frozenset[int], max_len: int, arrival: int, generator: torch.Generator | None):
+                 stop_ids: frozenset[int], max_len: int, arrival: int, generator: torch.Generator | None,
+                 seed: int | None = None):
         self.request_id = request_id
         self.group_id = group_id
         self.prompt = prompt
@@ -30,7 +31,8 @@ class Request:
         self.stop_ids = stop_ids
         self.max_len = max_len  # prompt + completion never exceed this (the context, or max_new_tokens)
         self.arrival = arrival
-        self.generator = generator
+        self.generator = generator  # the unfused sampler's noise source of a seeded request
+        self.seed = seed  # the fused sampler's: a seeded request's noise depends only on it and the token index
         self.output: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []

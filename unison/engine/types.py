@@ -24,6 +24,11 @@ class EngineConfig:
     """Share full prompt blocks between requests (a group's samples, repeated prompts)."""
     seed: int | None = None
     """Seed of the engine's generator for requests without their own seed."""
+    attention: Literal["auto", "torch", "triton"] = "auto"
+    """Paged attention backend. auto: the Triton kernels on CUDA, the pure-PyTorch reference elsewhere."""
+    cuda_graphs: bool = True
+    """With the Triton backend, run decode-only steps through CUDA graphs (captured per batch size on first use;
+    on the CPU the same static-buffer path runs eagerly)."""
 
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_batch_tokens", "max_num_seqs"):
@@ -31,6 +36,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.attention not in ("auto", "torch", "triton"):
+            raise ValueError(f"EngineConfig.attention must be 'auto', 'torch' or 'triton', got {self.attention!r}")
         if self.inflight_policy not in ("keep", "recompute"):
             raise ValueError(
                 f"EngineConfig.inflight_policy must be 'keep' or 'recompute', got {self.inflight_policy!r}")

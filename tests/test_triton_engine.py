@@ -1,0 +1,176 @@
+"""The fast engine path on the CPU: the Triton decode kernel in Triton's interpreter, the mixed-step backend,
+and the static-buffer decode runner (padding rows, scratch block) that CUDA graphs capture on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import max_logprob_diff, random_prompts, tiny_llama, tiny_qwen3
+
+from unison.engine import Engine, EngineConfig, SamplingParams
+
+pytest.importorskip("triton")
+
+from unison.engine.fused_norm import fused_norms  # noqa: E402
+from unison.engine.graphs import batch_ladder  # noqa: E402
+from unison.engine.triton_attention import num_splits, paged_decode  # noqa: E402
+from unison.engine.triton_sampler import fused_sample  # noqa: E402
+
+
+def reference_decode(q, k_pool, v_pool, tables, context_lens, block_size, scale, window=None):
+    """Each sequence's context gathered position by position, fp64 softmax."""
+    out = []
+    group = q.shape[1] // k_pool.shape[1]
+    for b in range(q.shape[0]):
+        length = int(context_lens[b])
+        pos = torch.arange(length)
+        slots = tables[b, pos // block_size].long() * block_size + pos % block_size
+        k = k_pool[slots].double().repeat_interleave(group, 1)  # (L, H, D)
+        v = v_pool[slots].double().repeat_interleave(group, 1)
+        s = torch.einsum("hd,lhd->hl", q[b].double(), k) * scale
+        if window is not None:
+            s[:, pos <= length - 1 - window] = float("-inf")
+        out.append(torch.einsum("hl,lhd->hd", s.softmax(-1), v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,splits,window,dtype", [
+    (4, 4, 32, 16, 1, None, torch.float32),
+    (4, 2, 32, 4, 3, None, torch.float32),
+    (8, 2, 64, 16, 2, None, torch.bfloat16),
+    (8, 1, 48, 8, 4, 7, torch.float16),
+])
+def test_decode_kernel_matches_reference(heads, kv_heads, head_dim, block_size, splits, window, dtype):
+    g = torch.Generator().manual_seed(heads * 100 + head_dim)
+    blocks, batch = 48, 5
+    k_pool = torch.randn(blocks * block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_pool = torch.randn(blocks * block_size, kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:12] for _ in range(batch)]).int()
+    # Odd lengths, block boundaries (exact multiples), a single key, a long one.
+    context = torch.tensor([1, block_size, block_size + 1, 5 * block_size - 1, 12 * block_size], dtype=torch.int32)
+    out = paged_decode(q, k_pool, v_pool, tables, context, block_size, head_dim**-0.5, window, splits=splits,
+                       block_n=16)
+    ref = reference_decode(q, k_pool, v_pool, tables, context, block_size, head_dim**-0.5, window)
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert rel < (1e-6 if dtype == torch.float32 else 5e-3)
+
+
+def test_split_count_heuristic():
+    assert num_splits(256, 8, 4096, 132) == 1  # 2048 programs already fill the GPU
+    assert num_splits(4, 8, 4096, 132) == 16  # few sequences: split the context
+    assert num_splits(4, 8, 100, 132) == 1  # ...but never below 256 keys a split
+    assert batch_ladder(256)[:6] == [1, 2, 4, 8, 16, 24] and batch_ladder(256)[-1] == 256
+    assert batch_ladder(5) == [1, 2, 4, 5]
+
+
+def triton_engine(model, **kw) -> Engine:
+    cfg = dict(num_blocks=128, block_size=4, max_batch_tokens=64, seed=0, attention="triton", max_num_seqs=16)
+    cfg.update(kw)
+    return Engine(model, EngineConfig(**cfg))
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen3])
+def test_triton_engine_logprobs_and_padding(make):
+    """Mixed steps (eager, kernel + per-request prefill) and decode-only steps (the runner, at padded ladder
+    sizes: 5 requests run at 8) give teacher-forced logprobs."""
+    model = make()
+    engine = triton_engine(model)
+    done = engine.generate(random_prompts([5, 11, 17, 2, 9]), SamplingParams(max_new_tokens=12, stop_token_ids=()))
+    stats = engine.stats()
+    assert stats["graph_steps"] >= 10 and engine.runner.graphs.keys() >= {8}
+    assert max_logprob_diff(model, done) < 1e-4
+
+
+def test_triton_engine_equals_reference_engine_tokens():
+    """Greedy: the same tokens and logprobs as the pure-PyTorch engine, with chunked prefill, prefix sharing in
+    groups, and preemption (12 blocks for 3 requests of up to 32 tokens)."""
+    prompts = random_prompts([7, 13, 3])
+    params = SamplingParams(max_new_tokens=16, n=2, temperature=0, stop_token_ids=())
+    results = []
+    for attention in ("torch", "triton"):
+        engine = triton_engine(tiny_llama(), attention=attention, max_batch_tokens=8, num_blocks=12)
+        results.append(engine.generate(prompts, params))
+        if attention == "triton":
+            assert engine.stats()["num_preemptions"] > 0 and engine.stats()["graph_steps"] > 0
+    for a, b in zip(*results, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+
+
+def test_greedy_triton_engine_equals_hf_generate():
+    model = tiny_qwen3()
+    engine = triton_engine(model, max_batch_tokens=16)
+    prompts = random_prompts([3, 21, 40])
+    done = engine.generate(prompts, SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=()))
+    for prompt, c in zip(prompts, done, strict=True):
+        ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, min_new_tokens=20,
+                             pad_token_id=0)
+        assert c.token_ids == ref[0, len(prompt):].tolist()
+
+
+def test_runner_follows_in_place_updates():
+    """The runner reads the live parameters: after an in-place update, decode logprobs follow the new weights."""
+    model = tiny_llama()
+    engine = triton_engine(model, inflight_policy="recompute")
+    prompts = random_prompts([6, 6])
+    engine.generate(prompts, SamplingParams(max_new_tokens=6, stop_token_ids=()))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    engine.on_weights_updated()
+    done = engine.generate(prompts, SamplingParams(max_new_tokens=10, stop_token_ids=()))
+    assert max_logprob_diff(model, done) < 1e-4
+
+
+def test_fused_sampler_logprobs_greedy_and_distribution():
+    g = torch.Generator().manual_seed(0)
+    logits = 2 * torch.randn(4, 300, generator=g)
+    temps = [1.0, 0.7, 0.0, 1.3]
+    tokens, logprobs = fused_sample(logits, temps, [11, 12, 13, 14], block_v=128)  # several vocabulary tiles
+    for i, t in enumerate(temps):
+        ref = torch.log_softmax(logits[i] / (t or 1.0), -1)
+        assert logprobs[i].item() == pytest.approx(ref[tokens[i]].item(), abs=1e-5)
+    assert tokens[2] == logits[2].argmax()
+    # Frequencies of 400 draws (one per seed) match softmax within ~3.5 standard errors.
+    row = torch.tensor([0.0, 1.0, 2.0, -1.0] + [-30.0] * 60)
+    n = 400
+    drawn, _ = fused_sample(row.repeat(n, 1), [1.0] * n, list(range(n)), block_v=64)
+    freq = torch.bincount(drawn, minlength=64).float() / n
+    p = row.softmax(-1)
+    assert ((freq - p).abs()[:4] <= 3.5 * (p * (1 - p) / n).sqrt()[:4] + 1e-3).all()
+    # A row's draw depends only on its seed and logits, not on the rest of the batch.
+    alone, _ = fused_sample(logits[1:2], [0.7], [12], block_v=128)
+    assert alone[0] == tokens[1]
+
+
+def test_seeded_requests_reproducible_regardless_of_batch_with_fused_sampler():
+    prompt = random_prompts([6])[0]
+    params = SamplingParams(max_new_tokens=8, n=2, seed=7, stop_token_ids=())
+    alone = triton_engine(tiny_llama()).generate([prompt], params)
+    crowd = triton_engine(tiny_llama()).generate(random_prompts([4, 9], seed=3) + [prompt], params)[-2:]
+    assert [c.token_ids for c in alone] == [c.token_ids for c in crowd]
+    assert alone[0].token_ids != alone[1].token_ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rms_norm_matches_the_module(dtype):
+    model = tiny_qwen3(dtype=dtype)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 5, 64, generator=g).to(dtype)
+    heads = torch.randn(3, 5, 4, 32, generator=g).to(dtype)  # q_norm over head_dim
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        layer.input_layernorm.weight.copy_(torch.rand(64, generator=g) + 0.5)
+        ref, ref_heads = layer.input_layernorm(x), layer.self_attn.q_norm(heads)
+        with fused_norms(model) as count:
+            assert count == 2 * 4 + 1  # per layer: input, post-attention, q_norm, k_norm; plus the final norm
+            out, out_heads = layer.input_layernorm(x), layer.self_attn.q_norm(heads)
+        assert "forward" not in layer.input_layernorm.__dict__  # restored after the block
+    for a, b in ((out, ref), (out_heads, ref_heads)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        else:  # Triton's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest): two roundings, 2 ulps
+            assert ((a.float() - b.float()).abs() <= b.float().abs() * 2**-6 + 1e-6).all()

@@ -1,0 +1,78 @@
+"""The Triton decode kernel and the fast backend on a CUDA GPU, against the pure-PyTorch reference on fresh
+random inputs (run on the GPU machine: ``pytest -m gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_triton_engine import reference_decode
+
+from unison.engine.backend import StepLayout, TorchPagedBackend
+from unison.engine.fused_norm import rms_norm
+from unison.engine.triton_attention import paged_decode
+from unison.engine.triton_backend import TritonPagedBackend
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_kernel_on_gpu(group, head_dim, dtype, splits):
+    kv_heads, block_size, blocks, batch = 2, 16, 512, 9
+    g = torch.Generator("cuda").manual_seed(group * 1000 + head_dim + splits)
+    k_pool = torch.randn(blocks * block_size, kv_heads, head_dim, generator=g, device="cuda").to(dtype)
+    v_pool = torch.randn(blocks * block_size, kv_heads, head_dim, generator=g, device="cuda").to(dtype)
+    q = torch.randn(batch, kv_heads * group, head_dim, generator=g, device="cuda").to(dtype)
+    tables = torch.stack([torch.randperm(blocks, generator=g, device="cuda")[:64] for _ in range(batch)]).int()
+    # One key, odd lengths, exact block multiples and one past them, a long context.
+    context = torch.tensor([1, 3, 15, 16, 17, 63, 64 * 16, 257, 1000], dtype=torch.int32, device="cuda")
+    for window in (None, 100):
+        out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+        paged_decode(q, k_pool, v_pool, tables, context, block_size, head_dim**-0.5, window, splits=splits, out=out)
+        ref = reference_decode(q.cpu(), k_pool.cpu(), v_pool.cpu(), tables.cpu(), context.cpu(), block_size,
+                               head_dim**-0.5, window)
+        assert torch.isfinite(out).all()
+        rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+        assert rel < 5e-3, f"relative error {rel:.2e}"
+
+
+def test_chunks_through_varlen_match_reference():
+    """Multi-token chunks whose context is longer than the chunk (chunked prefill, prefix hits), mixed with
+    decode rows in one step: the fast backend equals the reference backend."""
+    torch.manual_seed(0)
+    block_size, heads, kv_heads, dim = 16, 8, 2, 64
+    k_pool = torch.randn(256 * block_size, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    v_pool = torch.randn_like(k_pool)
+    q_lens, ctx = [1, 37, 1, 16, 100], [50, 37, 301, 80, 130]
+    tables = [torch.randperm(256)[:20].tolist() for _ in ctx]
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], heads, dim, device="cuda", dtype=torch.bfloat16)
+    layout = StepLayout(starts, ctx, tables, torch.zeros(starts[-1], dtype=torch.int64, device="cuda"))
+    outs = []
+    for backend in (TorchPagedBackend(block_size, "cuda"),
+                    TritonPagedBackend(block_size, kv_heads, "cuda", torch.bfloat16)):
+        outs.append(backend.attend(backend.prepare(layout), k_pool, v_pool, q, dim**-0.5, None).float())
+    rel = ((outs[0] - outs[1]).norm() / outs[0].norm()).item()
+    assert rel < 1e-2, f"relative difference {rel:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [128, 1024, 2560, 4096])
+def test_fused_rms_norm_on_gpu(width, dtype):
+    """Same function as transformers' RMSNorm: fp32 statistics, rounded to the input dtype, times the weight.
+    rsqrt approximations differ by an fp32 ulp or two, which can move each of the two roundings by one step."""
+    x = torch.randn(300, width, device="cuda").to(dtype)
+    w = (torch.rand(width, device="cuda") + 0.5).to(dtype)
+    h = x.float()
+    ref = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    out = rms_norm(x, w, 1e-6)
+    ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
+    err = (out.float() - ref.float()).abs()
+    print(f"rms_norm {dtype} width {width}: max |err| / |ref| {(err / ref.float().abs()).max():.2e}, "
+          f"bitwise equal {(out == ref).float().mean():.4f}")
+    assert (err <= ref.float().abs() * 2 * ulp + 1e-6).all()
+    assert (out == ref).float().mean() > 0.9

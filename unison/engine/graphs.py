@@ -1,0 +1,113 @@
+"""The decode step through static buffers, captured as CUDA graphs at a ladder of batch sizes.
+
+A decode step of n requests runs at the smallest ladder size b >= n; rows n..b-1 are padding that attends to,
+and writes into, a scratch block of the pool that no request owns. Each size is captured the first time it is
+needed (decoder forward and the fp32 lm_head of every row; sampling stays outside, so per-request generators
+and sampling parameters need no graph) and replayed after that. The capture runs with ``fused_norms``: each
+RMSNorm is one kernel instead of eight. The graphs read the parameters and the KV pool
+at their addresses: in-place optimizer updates need nothing, and they stay valid as long as neither tensor is
+reallocated. Without CUDA (the CPU tests) the same forward runs eagerly through the same buffers.
+
+Per step the host fills one pinned buffer (token, position, slot and context length of each row, then the
+block tables), which reaches the device in one copy; two device copies spread it into the static inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import NO_MASK
+from .backend import PagedBatch
+from .cache import KVPool
+from .fused_norm import fused_norms
+from .lm_head import lm_head_fp32
+from .triton_backend import TritonPagedBackend
+
+
+def batch_ladder(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 to 64, of 16 to 128, of 32 beyond: at most ~1/8 of a step is padding."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b = b * 2 if b < 8 else b + (8 if b < 64 else 16 if b < 128 else 32)
+    sizes.append(max_batch)
+    return sizes
+
+
+class DecodeRunner:
+    def __init__(self, decoder: torch.nn.Module, lm_head_weight: torch.Tensor, pool: KVPool,
+                 backend: TritonPagedBackend, max_batch: int, max_context: int, scratch_block: int):
+        self.decoder = decoder
+        self.lm_head_weight = lm_head_weight
+        self.pool = pool
+        self.backend = backend
+        self.block_size = bs = backend.block_size
+        self.max_context = max_context
+        self.scratch_block = scratch_block
+        self.sizes = batch_ladder(max_batch)
+        self.max_batch = n = self.sizes[-1]
+        self.max_blocks = w = -(-max_context // bs)
+        dev = pool.storage.device
+        self.use_graphs = dev.type == "cuda"
+        self.meta = torch.zeros(4, n, dtype=torch.int64, device=dev)  # token, position, slot, context length
+        self.tables = torch.full((n, w), scratch_block, dtype=torch.int64, device=dev)
+        self.stage = torch.empty(4 * n + n * w, dtype=torch.int64, device=dev)
+        self.host = torch.empty(4 * n + n * w, dtype=torch.int64, pin_memory=self.use_graphs)
+        self.mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, object]] = {}
+        self.num_captured = 0
+
+    def __call__(self, tokens: list[int], positions: list[int], slots: list[int],
+                 block_tables: list[list[int]]) -> torch.Tensor:
+        """One decode token per request, at ``positions`` (its KV goes to ``slots``). Returns (n, V) fp32 logits,
+        a view of a static buffer that the next call overwrites."""
+        n = len(tokens)
+        b = next(size for size in self.sizes if size >= n)
+        w = max(len(t) for t in block_tables)
+        host = self.host.numpy()
+        meta = host[:4 * b].reshape(4, b)
+        meta[0, :n], meta[1, :n], meta[2, :n] = tokens, positions, slots
+        meta[3, :n] = meta[1, :n] + 1
+        meta[:, n:] = ((0,), (0,), (self.scratch_block * self.block_size,), (1,))
+        tables = host[4 * b:4 * b + b * w].reshape(b, w)
+        for i, table in enumerate(block_tables):
+            tables[i, :len(table)] = table
+        tables[n:, 0] = self.scratch_block
+        stage = self.stage[:4 * b + b * w]
+        stage.copy_(self.host[:4 * b + b * w], non_blocking=True)
+        self.meta[:, :b].copy_(stage[:4 * b].view(4, b))
+        self.tables[:b, :w].copy_(stage[4 * b:].view(b, w))
+        if b not in self.graphs:
+            self.graphs[b] = self._capture(b)
+        graph, out = self.graphs[b]
+        if graph is None:
+            return out()[:n]  # eager: ``out`` is the forward itself
+        graph.replay()
+        return out[:n]
+
+    def _capture(self, b: int):
+        splits = self.backend.splits_for(b, self.max_context)
+        state = self.backend.decode_state(self.tables[:b], self.meta[3, :b], splits)
+        batch = PagedBatch(self.pool, self.backend, self.meta[2, :b], state)
+        ids, positions = self.meta[0:1, :b], self.meta[1:2, :b]
+
+        def forward() -> torch.Tensor:
+            with torch.inference_mode(), fused_norms(self.decoder):
+                hidden = self.decoder(input_ids=ids, position_ids=positions, attention_mask=NO_MASK, paged=batch,
+                                      use_cache=False).last_hidden_state[0]
+                return lm_head_fp32(hidden, self.lm_head_weight)
+
+        if not self.use_graphs:
+            return None, forward
+        # Warm up on a side stream (kernel compilation, library handles), then capture. The warm-up runs this
+        # step's real inputs, so the KV it writes is what the replay writes again.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            logits = forward()
+        self.num_captured += 1
+        return graph, logits

@@ -1,0 +1,105 @@
+"""The fast attention backend: decode queries through the Triton paged kernel, multi-token chunks (prefill,
+recompute, chunked prefill after a prefix-cache hit) through varlen attention over their gathered context.
+
+Where varlen attention is missing (the CPU, torch < 2.9) chunks fall back to the reference's per-request SDPA;
+the decode kernel then runs in Triton's interpreter, which is how the CPU tests exercise it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .attention import _GQA_KW, _varlen_attn
+from .backend import StepLayout, context_slots, prefill_reference
+from .triton_attention import num_splits, paged_decode
+
+
+@dataclass
+class TritonState:
+    decode_rows: torch.Tensor | None  # (Sd,) token index of each decode query; None: the step is all decode
+    block_tables: torch.Tensor | None  # (Sd, W) int32
+    context_lens: torch.Tensor | None  # (Sd,) int32
+    splits: int
+    chunk_rows: torch.Tensor | None = None  # (Nc,) token indices of the multi-token chunks
+    chunk_slots: torch.Tensor | None = None  # (Lc,) their contexts' pool slots, concatenated
+    cu_q: torch.Tensor | None = None  # (C+1,) int32
+    cu_k: torch.Tensor | None = None  # (C+1,) int32
+    max_q: int = 0
+    max_k: int = 0
+    prefills: list | None = None  # reference fallback: (token start, token end, context slots)
+
+
+class TritonPagedBackend:
+    def __init__(self, block_size: int, kv_heads: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                 block_n: int = 64, num_warps: int = 4, num_stages: int = 2):
+        self.block_size = block_size
+        self.dtype = dtype
+        self.kv_heads = kv_heads
+        self.device = torch.device(device)
+        self.kernel_args = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+        cuda = self.device.type == "cuda"
+        self.multiprocessors = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 8
+        self.varlen = cuda and _varlen_attn is not None  # flash varlen: bf16 and fp16 only (checked per step)
+
+    def splits_for(self, batch: int, max_context: int) -> int:
+        return num_splits(batch, self.kv_heads, max_context, self.multiprocessors, self.kernel_args["block_n"])
+
+    def decode_state(self, block_tables: torch.Tensor, context_lens: torch.Tensor, splits: int) -> TritonState:
+        """Every token a decode query, row i of the tables its sequence (the CUDA-graph step)."""
+        return TritonState(None, block_tables, context_lens, splits)
+
+    def prepare(self, layout: StepLayout) -> TritonState:
+        bs, dev = self.block_size, self.device
+        qs, ctx = layout.query_start, layout.context_len
+        decode = [s for s in range(len(ctx)) if qs[s + 1] - qs[s] == 1]
+        chunks = [s for s in range(len(ctx)) if qs[s + 1] - qs[s] > 1]
+        state = TritonState(None, None, None, 1)
+        if decode:
+            width = max(-(-ctx[s] // bs) for s in decode)
+            tables = np.zeros((len(decode), width), dtype=np.int32)
+            for i, s in enumerate(decode):
+                n = -(-ctx[s] // bs)
+                tables[i, :n] = layout.block_tables[s][:n]
+            state.block_tables = torch.from_numpy(tables).to(dev)
+            state.context_lens = torch.tensor([ctx[s] for s in decode], dtype=torch.int32, device=dev)
+            if len(decode) < len(ctx):
+                state.decode_rows = torch.tensor([qs[s] for s in decode], dtype=torch.int64, device=dev)
+            state.splits = self.splits_for(len(decode), max(ctx[s] for s in decode))
+        if chunks:
+            spans = [(qs[s], qs[s + 1], context_slots(layout.block_tables[s], ctx[s], bs)) for s in chunks]
+            if not self.varlen or self.dtype not in (torch.bfloat16, torch.float16):
+                state.prefills = [(a, b, slots.to(dev)) for a, b, slots in spans]
+                return state
+            state.chunk_rows = torch.cat([torch.arange(a, b) for a, b, _ in spans]).to(dev)
+            state.chunk_slots = torch.cat([slots for _, _, slots in spans]).to(dev)
+            q_lens = [b - a for a, b, _ in spans]
+            k_lens = [ctx[s] for s in chunks]
+            state.cu_q = torch.tensor(np.cumsum([0] + q_lens), dtype=torch.int32, device=dev)
+            state.cu_k = torch.tensor(np.cumsum([0] + k_lens), dtype=torch.int32, device=dev)
+            state.max_q, state.max_k = max(q_lens), max(k_lens)
+        return state
+
+    def attend(self, state: TritonState, k_pool: torch.Tensor, v_pool: torch.Tensor, q: torch.Tensor,
+               scale: float, window: int | None) -> torch.Tensor:
+        if state.decode_rows is None and state.chunk_rows is None and not state.prefills:
+            return self._decode(state, k_pool, v_pool, q, scale, window)
+        out = torch.empty_like(q)
+        if state.block_tables is not None:
+            rows = state.decode_rows
+            out.index_copy_(0, rows, self._decode(state, k_pool, v_pool, q.index_select(0, rows), scale, window))
+        if state.prefills:
+            prefill_reference(state.prefills, k_pool, v_pool, q, out, scale, window)
+        if state.chunk_rows is not None:
+            rows, slots = state.chunk_rows, state.chunk_slots
+            o = _varlen_attn(q.index_select(0, rows), k_pool.index_select(0, slots), v_pool.index_select(0, slots),
+                             state.cu_q, state.cu_k, state.max_q, state.max_k, scale=scale,
+                             window_size=(-1 if window is None else window - 1, 0), **_GQA_KW)
+            out.index_copy_(0, rows, o)
+        return out
+
+    def _decode(self, state: TritonState, k_pool, v_pool, q, scale, window) -> torch.Tensor:
+        return paged_decode(q, k_pool, v_pool, state.block_tables, state.context_lens, self.block_size, scale,
+                            window, splits=state.splits, **self.kernel_args)

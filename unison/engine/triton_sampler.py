@@ -1,0 +1,91 @@
+"""Sampling and the sampled token's logprob in one pass over the logits (Triton), for rows without top-k/top-p.
+
+Per row: x = logits / T; token = argmax(x + Gumbel noise) (exact sampling from softmax(x)); logprob =
+x[token] - logsumexp(x). The noise comes from Philox keyed by a per-row seed, so a seeded request draws the same
+noise whatever else is in the batch. Greedy rows (T = 0) add no noise and take their logprob at T = 1. The
+unfused PyTorch version reads and writes the (S, V) fp32 logits about ten times; this reads them once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _sample_kernel(Logits, stride_row, Params, Tokens, Logprobs, VOCAB: tl.constexpr, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0)
+    inv_t = tl.load(Params + 3 * row).to(tl.float32)  # per row: 1/T, noise (1 sample, 0 greedy), seed
+    noise = tl.load(Params + 3 * row + 1).to(tl.float32)
+    seed = tl.load(Params + 3 * row + 2).to(tl.int64)
+    base = Logits + row.to(tl.int64) * stride_row
+    m = tl.full([BLOCK_V], float("-inf"), tl.float32)  # per-lane running max and sum (log-sum-exp)
+    s = tl.zeros([BLOCK_V], tl.float32)
+    best = tl.full([BLOCK_V], float("-inf"), tl.float32)  # per-lane best perturbed value and its index
+    best_idx = tl.zeros([BLOCK_V], tl.int32)
+    for v0 in range(0, VOCAB, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        mask = offs < VOCAB
+        x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+        m_new = tl.maximum(m, x)
+        s = s * tl.exp(m - tl.where(m_new == float("-inf"), 0.0, m_new)) + \
+            tl.where(mask, tl.exp(x - tl.where(m_new == float("-inf"), 0.0, m_new)), 0.0)
+        m = m_new
+        u = tl.rand(seed, offs)
+        gumbel = -tl.log(-tl.log(u + 1e-20) + 1e-20)
+        z = tl.where(mask, x + noise * gumbel, float("-inf"))
+        take = z > best
+        best = tl.where(take, z, best)
+        best_idx = tl.where(take, offs, best_idx)
+    m_row = tl.max(m, 0)
+    lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), 0))
+    top = tl.max(best, 0)
+    token = tl.min(tl.where(best == top, best_idx, VOCAB), 0)  # lowest index among ties, like argmax
+    x_tok = tl.load(base + token).to(tl.float32) * inv_t
+    tl.store(Tokens + row, token.to(tl.int64))
+    tl.store(Logprobs + row, x_tok - lse)
+
+
+class FusedSampler:
+    """``sampler(logits, temperature, seeds)``: tokens (S,) int64 and logprobs (S,) fp32 for logits (S, V) with
+    the last dim contiguous, temperatures (0 = greedy) and per-row seeds in [0, 2**52). The per-row parameters
+    go through one pinned buffer in one asynchronous copy; the caller waits for the results before the next call
+    (the engine's one sync per step), so the buffer is never overwritten while a copy is pending."""
+
+    def __init__(self, device: torch.device, max_rows: int = 1024, block_v: int = 2048):
+        self.device = torch.device(device)
+        self.block_v = block_v
+        self._grow(max_rows)
+
+    def _grow(self, rows: int) -> None:
+        self.max_rows = rows
+        pinned = self.device.type == "cuda"
+        self.host = torch.empty(rows, 3, dtype=torch.float64, pin_memory=pinned)
+        self.params = self.host if not pinned else torch.empty(rows, 3, dtype=torch.float64, device=self.device)
+
+    def __call__(self, logits: torch.Tensor, temperature: list[float], seeds: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, vocab = logits.shape
+        if rows > self.max_rows:
+            self._grow(2 * rows)
+        t = np.asarray(temperature, dtype=np.float64)
+        host = self.host.numpy()[:rows]
+        host[:, 0] = 1.0 / np.where(t > 0, t, 1.0)
+        host[:, 1] = t > 0
+        host[:, 2] = seeds
+        params = self.params[:rows]
+        if params is not self.host[:rows]:
+            params.copy_(self.host[:rows], non_blocking=True)
+        tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+        logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        _sample_kernel[(rows,)](logits, logits.stride(0), params, tokens, logprobs, VOCAB=vocab,
+                                BLOCK_V=self.block_v, num_warps=8)
+        return tokens, logprobs
+
+
+def fused_sample(logits: torch.Tensor, temperature: list[float], seeds: list[int],
+                 block_v: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-off ``FusedSampler`` call (tests, scripts)."""
+    return FusedSampler(logits.device, len(temperature), block_v)(logits, temperature, seeds)
