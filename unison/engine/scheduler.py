@@ -85,10 +85,11 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted = False
         i = 0
+        bs = self.block_size
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             length = min(req.num_tokens - req.num_computed, budget)
-            if not self._grow(req, length):
+            if req.num_computed + length > len(req.blocks) * bs and not self._grow(req, length):
                 preempted = True
                 continue  # req itself was preempted; running[i] is now the next one
             chunks.append(ScheduledChunk(req, req.num_computed, length))
@@ -161,7 +162,7 @@ class Scheduler:
         for chunk in chunks:
             req = chunk.request
             req.num_computed = chunk.start + chunk.length
-            if self.prefix_caching:
+            if self.prefix_caching and chunk.start < len(req.prompt):  # decode chunks compute no prompt blocks
                 full = min(req.num_computed, len(req.prompt)) // self.block_size
                 for block in req.blocks[chunk.start // self.block_size:full]:
                     self.allocator.mark_computed(block)
