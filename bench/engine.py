@@ -237,12 +237,11 @@ def main():
             "not_run": "device-time budget: transformers' engine runs ~20x longer than unison's; compared on the "
                        "0.6B/256 and 4B/64 workloads only"}
         results.append(entry)
-        u = entry["unison"]
+        u, hf = entry["unison"], entry["transformers_cb"].get("tokens_per_s")
         print(f"{name}: unison {u['tokens_per_s']:.0f} tok/s ({u['ms_per_decode_step'] or 0:.2f} ms/decode step, "
               f"host {u['host_ms_per_step']:.2f} ms/step, peak {u['peak_gib']:.1f} GiB)"
-              + (f", transformers {entry['transformers_cb']['tokens_per_s']:.0f} tok/s"
-                 if "tokens_per_s" in entry["transformers_cb"] else "") + f", roofline {entry['roofline_tokens_per_s'] or 0:.0f}",
-              flush=True)
+              + (f", transformers {hf:.0f} tok/s" if hf else "")
+              + f", roofline {entry['roofline_tokens_per_s'] or 0:.0f}", flush=True)
         if args.json:  # after every workload, so a run cut short keeps what it measured
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
