@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import time
@@ -190,6 +191,8 @@ def roofline(shape: str, concurrency: int, prompt: int, new: int, ceilings: dict
 
 
 def commit() -> str | None:
+    if os.environ.get("UNISON_COMMIT"):  # set by the caller where the checkout has no .git (the GPU machine)
+        return os.environ["UNISON_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
