@@ -100,3 +100,27 @@ def test_sdpa_model_is_refused_for_packed_training():
         check_packed_attention(sdpa)
     check_packed_attention(model)
     torch.testing.assert_close(sdpa.model.embed_tokens.weight.shape, model.model.embed_tokens.weight.shape)
+
+
+def test_lending_host_placement_and_checkpointing_change_nothing(model_dir, tmp_path):
+    """Same seed, same run: with the KV pool lent to every step (the default) or not, the optimizer state in
+    host memory or not, activation checkpointing or not: the same completions, losses and final weights."""
+    from safetensors.torch import load_file
+
+    runs = {"default": [], "no_lending": ["--memory.lend_kv=false"], "host": ["--optim.placement=host"],
+            "checkpointing": ["--memory.activation_checkpointing=true"]}
+    results = {}
+    for name, overrides in runs.items():
+        out = tmp_path / name
+        train(run_cfg(model_dir, out, "--optim.lr=1e-3", *overrides), task())
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        results[name] = (records, load_file(str(out / "checkpoint" / "model.safetensors")))
+    base_records, base_weights = results.pop("default")
+    assert all(r["memory/kv_lent_gib"] > 0 for r in base_records)
+    for name, (records, weights) in results.items():
+        for a, b in zip(base_records, records, strict=True):
+            assert a["reward/mean"] == b["reward/mean"], name
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7), name
+        for key, tensor in base_weights.items():
+            torch.testing.assert_close(weights[key], tensor, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+    assert all(r["memory/kv_lent_gib"] == 0 for r in results["no_lending"][0])

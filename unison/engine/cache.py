@@ -8,21 +8,64 @@ from collections import OrderedDict
 
 import torch
 
+from . import vmm
+
 
 class KVPool:
     """K and V for every layer: ``k[layer]``, ``v[layer]`` are ``(num_blocks * block_size, KVH, D)`` views of one
-    allocation, so the whole pool can later be lent to the training step as one piece of memory."""
+    allocation, which ``release()`` gives back to the device and ``restore()`` takes again (contents lost).
+
+    On CUDA with ``cuda-bindings`` the allocation is virtual memory at a fixed address, so views and CUDA graphs
+    captured on them stay valid across a release; elsewhere the storage is resized to nothing and back, and
+    ``restore()`` reports that addresses moved (captured graphs must be recaptured).
+    """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         self.num_slots = num_blocks * block_size
-        self.storage = torch.zeros(2, num_layers, self.num_slots, num_kv_heads, head_dim, dtype=dtype,
-                                   device=device)
+        shape = (2, num_layers, self.num_slots, num_kv_heads, head_dim)
+        numel = 2 * num_layers * self.num_slots * num_kv_heads * head_dim
+        self._vmm = None
+        if vmm.available(torch.device(device)):
+            self._vmm = vmm.VirtualBuffer(numel * dtype.itemsize, torch.device(device))
+            self.storage = self._vmm.tensor(dtype)[:numel].view(shape)
+            self.storage.zero_()
+        else:
+            self.storage = torch.zeros(shape, dtype=dtype, device=device)
         self.k, self.v = self.storage[0], self.storage[1]
+        self._bytes = numel * dtype.itemsize
+        self.released = False
 
     @property
     def nbytes(self) -> int:
-        return self.storage.numel() * self.storage.element_size()
+        return self._bytes
+
+    @property
+    def fixed_address(self) -> bool:
+        return self._vmm is not None
+
+    def release(self) -> int:
+        """Give the pool's memory back to the device. Returns the bytes released."""
+        if self.released:
+            return 0
+        if self._vmm is not None:
+            self._vmm.unmap()
+        else:
+            self.storage.untyped_storage().resize_(0)
+        self.released = True
+        return self._bytes
+
+    def restore(self) -> bool:
+        """Take the memory again, zeroed. Returns whether every address is what it was before ``release()``."""
+        if not self.released:
+            return True
+        if self._vmm is not None:
+            self._vmm.map()
+        else:
+            self.storage.untyped_storage().resize_(self._bytes)
+        self.storage.zero_()
+        self.released = False
+        return self._vmm is not None
 
 
 class BlockAllocator:

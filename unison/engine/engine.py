@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -33,6 +35,8 @@ class Engine:
                  backend: AttentionBackend | None = None):
         self.model = model
         self.config = config = config or EngineConfig()
+        if config.num_blocks < 1:
+            raise ValueError("EngineConfig.num_blocks must be >= 1 for an Engine (0 means 'sized by unison train')")
         text = model.config.get_text_config()
         if model.config._attn_implementation != ATTN_NAME:
             # Once, before the engine's first forward; the unison function serves plain forwards exactly as
@@ -82,7 +86,7 @@ class Engine:
         self._phases: dict[str, float] | None = None
         self._phase_t = 0.0
         self._counters = {"steps": 0, "graph_steps": 0, "tokens_computed": 0, "tokens_generated": 0,
-                          "step_s": 0.0, "wait_s": 0.0}
+                          "step_s": 0.0, "wait_s": 0.0, "kv_lent_bytes": 0}
 
     def _default_backend(self, kv_heads: int) -> AttentionBackend:
         choice = self.config.attention
@@ -152,6 +156,8 @@ class Engine:
     def step(self) -> list[Completion]:
         """One scheduling step: admit, prefill a chunk, decode a token for every running request. Returns the
         completions that finished in it."""
+        if self.pool.released:
+            raise RuntimeError("the engine's KV memory is lent out (inside engine.lend()): step it afterwards")
         finished, self._done = self._done, []
         t0 = self._phase_t = time.perf_counter()
         chunks = self.scheduler.schedule()
@@ -198,6 +204,25 @@ class Engine:
         if self.config.inflight_policy == "recompute":
             self.scheduler.preempt_all()
         return self.version
+
+    @contextmanager
+    def lend(self) -> Iterator[int]:
+        """Hand the KV pool's device memory to the caller for the ``with`` block (the training step); yields the
+        bytes lent. Running requests are preempted first and recompute their KV when next scheduled (their tokens
+        and logprobs are kept); the prefix cache is emptied. On exit the step's cached allocator blocks go back
+        to the device so the pool can be taken again; CUDA graphs stay valid where the pool keeps its address
+        (CUDA virtual memory) and are recaptured on their next use otherwise. Do not step the engine inside."""
+        self.scheduler.preempt_all()
+        self.allocator.clear_cache()
+        lent = self.pool.release()
+        self._counters["kv_lent_bytes"] = lent
+        try:
+            yield lent
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if not self.pool.restore() and self.runner is not None:
+                self.runner.reset()
 
     def stats(self) -> dict:
         s = self.scheduler

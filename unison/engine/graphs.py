@@ -57,6 +57,10 @@ class DecodeRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, object]] = {}
         self.num_captured = 0
 
+    def reset(self) -> None:
+        """Forget every captured graph (the pool moved); each batch size is captured again on its next use."""
+        self.graphs.clear()
+
     def __call__(self, tokens: list[int], positions: list[int], slots: list[int],
                  block_tables: list[list[int]]) -> torch.Tensor:
         """One decode token per request, at ``positions`` (its KV goes to ``slots``). Returns (n, V) fp32 logits,

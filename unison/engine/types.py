@@ -9,7 +9,8 @@ from typing import Literal
 @dataclass
 class EngineConfig:
     num_blocks: int = 256
-    """KV blocks in the pool, shared by all layers and requests."""
+    """KV blocks in the pool, shared by all layers and requests. 0 in a `unison train` config: sized from the
+    rollout settings (an Engine itself needs >= 1)."""
     block_size: int = 16
     """Tokens per KV block."""
     max_batch_tokens: int = 2048
@@ -31,7 +32,9 @@ class EngineConfig:
     on the CPU the same static-buffer path runs eagerly)."""
 
     def __post_init__(self):
-        for name in ("num_blocks", "block_size", "max_batch_tokens", "max_num_seqs"):
+        if self.num_blocks < 0:
+            raise ValueError(f"EngineConfig.num_blocks must be >= 0 (0: sized by unison train), got {self.num_blocks}")
+        for name in ("block_size", "max_batch_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -7,6 +7,7 @@ caller steps it between training steps; nothing runs in the background (DESIGN.m
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -73,6 +74,9 @@ class RolloutLoop:
                                      top_p=cfg.top_p, top_k=cfg.top_k, n=cfg.group_size,
                                      stop_token_ids=stop_token_ids)
         self.rng = random.Random(seed)
+        # Each group samples with its own seed: its completions then depend only on the run's seed, never on what
+        # else the engine batches with it (preemption, KV lending, the concurrency setting).
+        self.seed_rng = random.Random(f"{seed}/sampling")
         self.order: list[int] = []
         self.epoch = 0
         self.groups: dict[str, _Group] = {}
@@ -114,7 +118,8 @@ class RolloutLoop:
             text = row["prompt"]
             ids = self._encode(text)
             try:
-                request_ids = self.engine.submit(ids, self.params)
+                request_ids = self.engine.submit(ids, dataclasses.replace(self.params,
+                                                                          seed=self.seed_rng.getrandbits(52)))
             except ValueError as e:  # e.g. a prompt longer than the context: skipped and counted
                 self.counts["skipped_prompts"] += 1
                 log.warning("skipping a prompt: %s", e)
@@ -136,13 +141,7 @@ class RolloutLoop:
         return self.rows[self.order.pop()]
 
     def _encode(self, text: str) -> list[int]:
-        """The chat template applied (assistant turn opened) where the tokenizer has one, else the plain text."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer(text)["input_ids"]
-        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        messages.append({"role": "user", "content": text})
-        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        return encode_prompt(self.tokenizer, text, self.system_prompt)
 
     def _land(self, completion: Completion) -> None:
         group = self.groups[completion.group_id]
@@ -208,3 +207,13 @@ class RolloutLoop:
         self.window_parts = {}
         self.gen_tokens, self.gen_time = 0, 0.0
         return m
+
+
+def encode_prompt(tokenizer, text: str, system_prompt: str | None = None) -> list[int]:
+    """The chat template applied (assistant turn opened) where the tokenizer has one, else the plain text."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer(text)["input_ids"]
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": text})
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]

@@ -13,6 +13,7 @@ from ..engine import EngineConfig
 from ..rollout.loop import RolloutConfig
 from ..tasks import DataConfig
 from .loss import LossConfig
+from .memory import MemoryConfig
 from .optimizer import OptimConfig
 
 
@@ -54,10 +55,12 @@ class TrainConfig:
     # CPU-sized default: 4 prompts x 8 samples per step, completions up to 64 tokens (bench/task_probe.py).
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(
         group_size=8, samples_per_step=32, max_concurrent_rollouts=64, max_new_tokens=64))
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_blocks=1024, block_size=16))
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_blocks=0, block_size=16))
+    """num_blocks 0: sized from the rollout settings (see memory)."""
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5))
     step: StepConfig = field(default_factory=StepConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def __post_init__(self):
         if self.max_steps < 1:

@@ -7,6 +7,7 @@ import logging
 import os
 import random
 import time
+from contextlib import nullcontext
 
 import torch
 from tqdm import tqdm
@@ -15,11 +16,12 @@ from ..config import dump_config
 from ..engine import Engine
 from ..metrics import MetricsWriter
 from ..models import load_policy, stop_token_ids
-from ..rollout.loop import RolloutLoop
+from ..rollout.loop import RolloutLoop, encode_prompt
 from ..tasks import Task, load_task
 from .checkpoint import save_hf_checkpoint
 from .config import TrainConfig
-from .optimizer import MasterAdamW
+from .memory import explain_oom, kv_blocks_for, plan_memory
+from .optimizer import make_optimizer
 from .step import check_packed_attention, train_step
 
 log = logging.getLogger(__name__)
@@ -44,11 +46,16 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     task = task or load_task(cfg.data)
     # The run's seed drives sampling too, unless the engine section sets its own.
     engine_cfg = cfg.engine if cfg.engine.seed is not None else dataclasses.replace(cfg.engine, seed=cfg.seed)
+    if engine_cfg.num_blocks == 0:
+        engine_cfg = dataclasses.replace(engine_cfg, num_blocks=_kv_blocks(cfg, tokenizer, task))
+    optimizer = make_optimizer(model.named_parameters(), cfg.optim, total_steps=cfg.max_steps)
     engine = Engine(model, engine_cfg)
+    plan = plan_memory(model, engine.pool.nbytes, cfg.optim.placement == "gpu", cfg.memory.lend_kv,
+                       cfg.step.max_tokens_per_row, cfg.step.logprob_chunk, cfg.memory.activation_checkpointing)
+    log.info("KV pool: %d blocks of %d tokens\n%s", engine_cfg.num_blocks, engine_cfg.block_size, plan.table())
     stop_ids = stop_token_ids(tokenizer, model)
     rollout = RolloutLoop(engine, tokenizer, task.rows, task.reward_fns, cfg.rollout, stop_ids, seed=cfg.seed,
                           system_prompt=task.system_prompt)
-    optimizer = MasterAdamW(model.named_parameters(), cfg.optim, total_steps=cfg.max_steps)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     writer = MetricsWriter(cfg.output_dir, tensorboard=cfg.tensorboard)
     log.info("training %s on %s (%s, %s) for %d steps; %d prompts", cfg.model.name_or_path, task.name,
@@ -58,12 +65,21 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     bar = tqdm(range(1, cfg.max_steps + 1), desc="unison train", dynamic_ncols=True)
     for step in bar:
         t0 = time.perf_counter()
-        samples, metrics = rollout.next_batch(trainer_version=engine.version)
-        t1 = time.perf_counter()
-        metrics.update(train_step(model, optimizer, samples, cfg.loss, cfg.rollout.temperature,
-                                  cfg.step.max_tokens_per_row, pad_id, cfg.step.logprob_chunk))
+        try:
+            samples, metrics = rollout.next_batch(trainer_version=engine.version)
+            t1 = time.perf_counter()
+            with engine.lend() if cfg.memory.lend_kv else nullcontext(0) as lent:
+                metrics.update(train_step(model, optimizer, samples, cfg.loss, cfg.rollout.temperature,
+                                          cfg.step.max_tokens_per_row, pad_id, cfg.step.logprob_chunk,
+                                          cfg.memory.activation_checkpointing))
+        except torch.OutOfMemoryError as e:
+            raise explain_oom(e, plan, f"step {step}") from e
         engine.on_weights_updated()
         t2 = time.perf_counter()
+        metrics["memory/kv_lent_gib"] = lent / 2**30
+        if engine.device.type == "cuda":
+            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(engine.device)
         metrics.update({"time/step_s": t2 - t0, "time/rollout_s": t1 - t0, "time/train_s": t2 - t1,
                         "train/tokens_per_s": metrics["train/tokens"] / (t2 - t1)})
         writer.log(step, metrics)
@@ -77,3 +93,12 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     writer.close()
     log.info("done: %s", os.path.abspath(cfg.output_dir))
     return metrics
+
+
+def _kv_blocks(cfg: TrainConfig, tokenizer, task: Task) -> int:
+    """Pool size for ``max_concurrent_rollouts`` requests of the longest of (up to) 256 sampled prompts plus
+    ``max_new_tokens``."""
+    rows = [r for r in random.Random(cfg.seed).sample(task.rows, min(256, len(task.rows))) if "prompt" in r]
+    longest = max((len(encode_prompt(tokenizer, str(r["prompt"]), task.system_prompt)) for r in rows), default=0)
+    return kv_blocks_for(cfg.rollout.max_concurrent_rollouts, longest, cfg.rollout.max_new_tokens,
+                         cfg.engine.block_size)

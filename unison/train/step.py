@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from ..engine.attention import ATTN_NAME, NO_MASK
@@ -14,7 +17,8 @@ from .packing import pack_samples
 
 
 def train_step(model: torch.nn.Module, optimizer: MasterAdamW, samples: list[Sample], loss_cfg: LossConfig,
-               temperature: float, max_tokens_per_row: int, pad_id: int, logprob_chunk: int) -> dict[str, float]:
+               temperature: float, max_tokens_per_row: int, pad_id: int, logprob_chunk: int,
+               activation_checkpointing: bool = False) -> dict[str, float]:
     """Forward and backward over every packed row (one micro-batch each), then one optimizer step.
 
     The loss is normalised by the completion tokens of the whole step, so micro-batching does not change the
@@ -25,15 +29,16 @@ def train_step(model: torch.nn.Module, optimizer: MasterAdamW, samples: list[Sam
     num_loss_tokens = sum(len(s.completion_ids) for s in samples)
     acc = MetricAccumulator()
     total_loss = 0.0
-    for row in rows:
-        row = row.to(device)
-        logprobs, _ = policy_logprobs(model, row, temperature=temperature or 1.0, chunk_size=logprob_chunk)
-        mask = row.loss_mask
-        loss, metrics = grpo_loss(logprobs, row.engine_logprobs[mask], row.advantages[mask], loss_cfg,
-                                  num_loss_tokens)
-        loss.backward()
-        total_loss += loss.item()
-        acc.add(metrics)
+    with checkpointed_layers(model, activation_checkpointing):
+        for row in rows:
+            row = row.to(device)
+            logprobs, _ = policy_logprobs(model, row, temperature=temperature or 1.0, chunk_size=logprob_chunk)
+            mask = row.loss_mask
+            loss, metrics = grpo_loss(logprobs, row.engine_logprobs[mask], row.advantages[mask], loss_cfg,
+                                      num_loss_tokens)
+            loss.backward()
+            total_loss += loss.item()
+            acc.add(metrics)
     stats = optimizer.step()
     optimizer.zero_grad()
     out = acc.reduce()
@@ -43,6 +48,32 @@ def train_step(model: torch.nn.Module, optimizer: MasterAdamW, samples: list[Sam
                 "train/loss_tokens": float(num_loss_tokens),
                 "train/tokens": float(sum(s.num_tokens for s in samples))})
     return out
+
+
+@contextmanager
+def checkpointed_layers(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
+    """Activation checkpointing of every decoder layer for the block. transformers checkpoints a layer only in
+    training mode; only the layers themselves are flagged as training, so dropout inside them (and every other
+    module) stays as the model was: the trainer's forward computes the same function as the engine's."""
+    if not enabled:
+        yield
+        return
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24 (the older names warn there)
+        if not model.is_activation_checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif not model.is_gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    modes = [m.training for m in layers]
+    for m in layers:
+        m.training = True
+    try:
+        yield
+    finally:
+        for m, mode in zip(layers, modes, strict=True):
+            m.training = mode
 
 
 @torch.no_grad()

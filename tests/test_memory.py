@@ -1,0 +1,109 @@
+"""Memory: lending the KV pool, optimizer state in host memory, activation checkpointing, the memory plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import max_logprob_diff, random_prompts, tiny_llama
+from test_optimizer import make_params, set_grads
+
+from unison.engine import Engine, EngineConfig, SamplingParams
+from unison.train.memory import explain_oom, kv_blocks_for, plan_memory
+from unison.train.optimizer import MasterAdamW, OptimConfig, make_optimizer
+from unison.train.streamed import HostAdamW
+
+
+def seeded_run(lend_after: int | None):
+    """Seeded samples of 4 prompts; optionally lend the pool away (and back) after ``lend_after`` steps."""
+    model = tiny_llama()
+    engine = Engine(model, EngineConfig(num_blocks=64, block_size=4, max_batch_tokens=32, seed=0))
+    for i, prompt in enumerate(random_prompts([5, 9, 3, 12])):
+        engine.submit(prompt, SamplingParams(max_new_tokens=20, n=2, seed=i, stop_token_ids=()))
+    done, steps = [], 0
+    while engine.num_unfinished:
+        if steps == lend_after:
+            pool_bytes = engine.pool.nbytes
+            with engine.lend() as lent:
+                assert lent == pool_bytes
+                assert engine.pool.storage.untyped_storage().nbytes() == 0  # the memory is really gone
+                with pytest.raises(RuntimeError, match="lent"):
+                    engine.step()
+                torch.empty(pool_bytes // 4)  # the borrower uses it
+        done += engine.step()
+        steps += 1
+    return model, engine, sorted(done, key=lambda c: c.request_id)
+
+
+def test_lending_changes_no_completion():
+    """In-flight requests lose their KV and recompute it; seeded sampling gives the same tokens, and logprobs
+    equal to a teacher-forced forward."""
+    _, _, plain = seeded_run(None)
+    model, engine, lent = seeded_run(lend_after=7)
+    assert engine.stats()["kv_lent_bytes"] == engine.pool.nbytes
+    for a, b in zip(plain, lent, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
+    assert max_logprob_diff(model, lent) < 1e-4
+
+
+@pytest.mark.parametrize("chunk", [7, 10_000])
+def test_host_placement_is_bit_identical(chunk):
+    """HostAdamW (chunks of 7 elements: every parameter is cut, chunks cross nothing) equals MasterAdamW bit for
+    bit over 10 steps, clipping and weight decay included, and so do the changed masks."""
+    cfg = OptimConfig(lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, schedule="cosine", warmup_steps=2)
+    a, b = make_params(torch.bfloat16), make_params(torch.bfloat16)
+    gpu_opt = MasterAdamW(a.items(), cfg, total_steps=10)
+    host_opt = HostAdamW(b.items(), cfg, total_steps=10, chunk_numel=chunk, in_flight=2)
+    for step in range(10):
+        set_grads(a, step, 1.0 if step % 3 else 50.0)
+        set_grads(b, step, 1.0 if step % 3 else 50.0)
+        sa, sb = gpu_opt.step(), host_opt.step()
+        assert sa == sb
+        for name in a:
+            assert torch.equal(a[name].view(torch.int16), b[name].view(torch.int16)), (step, name)
+            assert torch.equal(gpu_opt.changed_masks[name], host_opt.changed_masks[name])
+            assert torch.equal(gpu_opt.state[name].exp_avg_sq, host_opt.state[name].exp_avg_sq)
+    assert isinstance(make_optimizer(b.items(), OptimConfig(placement="host"), 1), HostAdamW)
+    with pytest.raises(ValueError, match="placement"):
+        OptimConfig(placement="disk")
+
+
+def test_memory_plan_and_oom_advice():
+    model = tiny_llama()
+    assert kv_blocks_for(64, 100, 28, 16) == 64 * (8 + 1)
+    plan = plan_memory(model, kv_pool_bytes=2**30, optimizer_on_gpu=True, lend_kv=False, max_tokens_per_row=4096,
+                       logprob_chunk=1024, activation_checkpointing=False)
+    rows = {what: gib for what, gib, _ in plan.rows}
+    params = sum(p.numel() for p in model.parameters())
+    assert rows["optimizer (fp32 state)"] == pytest.approx(12 * params / 2**30)
+    assert rows["KV pool"] == 1.0 and "KV pool" in plan.table()
+    host = plan_memory(model, 2**30, optimizer_on_gpu=False, lend_kv=True, max_tokens_per_row=4096,
+                       logprob_chunk=1024, activation_checkpointing=True)
+    host_rows = {what: gib for what, gib, _ in host.rows}
+    assert host_rows["optimizer (fp32 state)"] == 0 and host.total_gib < plan.total_gib
+    assert host_rows["activations (estimate)"] < rows["activations (estimate)"]
+    message = str(explain_oom(torch.OutOfMemoryError("CUDA out of memory"), plan, "step 3"))
+    assert "step 3" in message and "KV pool" in message and "max_concurrent_rollouts" in message
+    with pytest.raises(ValueError, match="num_blocks"):
+        Engine(model, EngineConfig(num_blocks=0))
+
+
+def test_activation_checkpointing_recomputes_layers_and_keeps_dropout_off():
+    from unison.train.step import checkpointed_layers
+
+    model = tiny_llama()
+    layer = model.model.layers[0]
+    calls = []
+    layer.mlp.register_forward_pre_hook(lambda *_: calls.append(1))  # a post-hook misses the early-stopped recompute
+    ids = torch.tensor([random_prompts([12])[0]])
+    grads = []
+    for enabled in (False, True):
+        calls.clear()
+        model.zero_grad()
+        with checkpointed_layers(model, enabled):
+            assert not layer.self_attn.training and not model.training  # only the layers are flagged
+            model(ids).logits.float().pow(2).mean().backward()
+        grads.append(layer.mlp.up_proj.weight.grad.clone())
+        assert len(calls) == (2 if enabled else 1)  # forward, then the recompute in backward
+    assert not layer.training
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-6, atol=1e-8)

@@ -1,0 +1,92 @@
+"""Where a colocated run's GPU memory goes: a plan at startup, and an out-of-memory error explained in words.
+
+One GPU holds the bf16 weights (read by the engine and trained), their gradients, the optimizer's fp32 masters
+and moments (unless ``optim.placement=host``), the engine's KV pool (lent to the training step with
+``memory.lend_kv``) and the training step's activations. The KV pool is sized from the rollout settings:
+``max_concurrent_rollouts`` requests of the longest prompt plus ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class MemoryConfig:
+    lend_kv: bool = True
+    """Hand the engine's KV pool to the training step (in-flight rollouts recompute their KV afterwards)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them."""
+
+
+@dataclass
+class MemoryPlan:
+    rows: list[tuple[str, float, str]]  # (what, GiB, note)
+    device_gib: float | None
+
+    @property
+    def total_gib(self) -> float:
+        return sum(gib for _, gib, _ in self.rows)
+
+    def table(self) -> str:
+        lines = [f"{'GPU memory plan':28s} {'GiB':>8s}"]
+        lines += [f"  {what:26s} {gib:8.2f}  {note}" for what, gib, note in self.rows]
+        lines.append(f"  {'total (estimate)':26s} {self.total_gib:8.2f}"
+                     + (f"  of {self.device_gib:.1f} on the device" if self.device_gib else ""))
+        return "\n".join(lines)
+
+    def advice(self) -> str:
+        """What to lower, largest item first."""
+        hints = {
+            "optimizer (fp32 state)": "optim.placement=host moves the 12 bytes per parameter to pinned host memory",
+            "KV pool": "lower rollout.max_concurrent_rollouts or rollout.max_new_tokens (the pool is sized from "
+                       "them), or keep memory.lend_kv=true so the step reuses it",
+            "activations (estimate)": "lower step.max_tokens_per_row, or memory.activation_checkpointing=true",
+            "logits chunk": "lower step.logprob_chunk",
+        }
+        ranked = sorted(self.rows, key=lambda r: -r[1])
+        return "; ".join(f"{what}: {hints[what]}" for what, _, _ in ranked if what in hints)
+
+
+def kv_blocks_for(max_concurrent: int, prompt_tokens: int, max_new_tokens: int, block_size: int) -> int:
+    """Blocks for ``max_concurrent`` requests of ``prompt_tokens + max_new_tokens`` (group prompts share theirs,
+    so this is an upper bound), plus one block of slack per request."""
+    per_request = -(-(prompt_tokens + max_new_tokens) // block_size) + 1
+    return max_concurrent * per_request
+
+
+def plan_memory(model: torch.nn.Module, kv_pool_bytes: int, optimizer_on_gpu: bool, lend_kv: bool,
+                max_tokens_per_row: int, logprob_chunk: int, activation_checkpointing: bool) -> MemoryPlan:
+    text = model.config.get_text_config()
+    params = {id(p): p for p in model.parameters()}.values()
+    weights = sum(p.numel() * p.element_size() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    elt = next(iter(params)).element_size()
+    hidden, layers = text.hidden_size, text.num_hidden_layers
+    inter = getattr(text, "intermediate_size", 4 * hidden)
+    # Saved for backward per token per layer, roughly: the layer's inputs and norms, q/k/v, attention output,
+    # and the MLP's gate, up and product. With checkpointing: the layer input, plus one layer recomputed.
+    per_token_layer = elt * (6 * hidden + 3 * inter)
+    activations = max_tokens_per_row * (layers * (elt * hidden if activation_checkpointing else per_token_layer)
+                                        + (per_token_layer if activation_checkpointing else 0))
+    gib = 2**30
+    rows = [("weights (live)", weights / gib, "shared by the engine and the trainer"),
+            ("gradients", trainable * elt / gib, ""),
+            ("optimizer (fp32 state)", (12 * trainable if optimizer_on_gpu else 0) / gib,
+             "" if optimizer_on_gpu else f"{12 * trainable / gib:.2f} GiB in pinned host memory"),
+            ("KV pool", kv_pool_bytes / gib, "lent to the training step" if lend_kv else ""),
+            ("activations (estimate)", (max(activations - kv_pool_bytes, 0) if lend_kv else activations) / gib,
+             "beyond the lent KV pool" if lend_kv else ""),
+            ("logits chunk", 3 * logprob_chunk * text.vocab_size * 4 / gib, "fp32 logits, softmax, grad")]
+    device_gib = None
+    device = next(iter(params)).device
+    if device.type == "cuda":
+        device_gib = torch.cuda.get_device_properties(device).total_memory / gib
+    return MemoryPlan(rows, device_gib)
+
+
+def explain_oom(error: BaseException, plan: MemoryPlan, phase: str) -> RuntimeError:
+    return RuntimeError(f"out of GPU memory during {phase}.\n{plan.table()}\nTo fit: {plan.advice()}.\n"
+                        f"(the original error: {error})")
