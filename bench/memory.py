@@ -41,7 +41,7 @@ def grpo_steps(shape: str, placement: str, lend: bool, steps: int, checkpointing
     prompts = [torch.randint(10, model.config.vocab_size, (PROMPT_TOKENS,), generator=g).tolist()
                for _ in range(PROMPTS)]
     rng = random.Random(0)
-    times, peaks = [], []
+    times, peaks, device_peaks = [], [], []
     for step in range(steps):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -56,6 +56,10 @@ def grpo_steps(shape: str, placement: str, lend: bool, steps: int, checkpointing
             samples += [Sample(tuple(c.prompt_ids), tuple(c.token_ids), tuple(c.logprobs), tuple(c.weight_versions),
                                r, a) for c, r, a in zip(group, rewards[k * GROUP:(k + 1) * GROUP], adv, strict=True)]
         t1 = time.perf_counter()
+        # Device memory = PyTorch's reserved memory + the KV pool (CUDA virtual memory, outside PyTorch's
+        # allocator) while it is mapped: the pool is unmapped during a lent step.
+        gen_reserved = torch.cuda.max_memory_reserved()
+        torch.cuda.reset_peak_memory_stats()
         with engine.lend() if lend else nullcontext(0):
             metrics = train_step(model, opt, samples, LossConfig(), 1.0, row_tokens, 0, 1024, checkpointing)
         engine.on_weights_updated()
@@ -63,15 +67,20 @@ def grpo_steps(shape: str, placement: str, lend: bool, steps: int, checkpointing
         t2 = time.perf_counter()
         times.append((t2 - t0, t1 - t0, t2 - t1))
         peaks.append(torch.cuda.max_memory_allocated() / 2**30)
+        pool = engine.pool.nbytes
+        train_reserved = torch.cuda.max_memory_reserved()
+        device_peaks.append(max(gen_reserved + pool, train_reserved + (0 if lend else pool)) / 2**30)
         print(f"  {shape} {placement} lend={lend} step {step}: {t2 - t0:.2f} s (gen {t1 - t0:.2f}, train "
-              f"{t2 - t1:.2f}), peak {peaks[-1]:.1f} GiB, changed {metrics['optim/changed_frac']:.2e}", flush=True)
+              f"{t2 - t1:.2f}), peak {peaks[-1]:.1f} GiB (device {device_peaks[-1]:.1f}), "
+              f"changed {metrics['optim/changed_frac']:.2e}", flush=True)
     result = {"shape": shape, "placement": placement, "lend_kv": lend, "activation_checkpointing": checkpointing,
               "max_tokens_per_row": row_tokens, "params_b": sum(p.numel() for p in model.parameters()) / 1e9,
               "kv_pool_gib": engine.pool.nbytes / 2**30,
               "s_per_step": min(t for t, _, _ in times[1:]) if steps > 1 else times[0][0],
               "generate_s": min(g for _, g, _ in times[1:] or times),
               "train_s": min(t for _, _, t in times[1:] or times),
-              "peak_gib": max(peaks[1:] or peaks), "steps": steps}
+              "peak_allocated_gib": max(peaks[1:] or peaks),
+              "peak_device_gib": max(device_peaks[1:] or device_peaks), "steps": steps}
     del engine, opt, model
     gc.collect()
     torch.cuda.empty_cache()
@@ -80,7 +89,7 @@ def grpo_steps(shape: str, placement: str, lend: bool, steps: int, checkpointing
 
 def main():
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--shapes", default="qwen3-1.7b,qwen3-4b")
+    p.add_argument("--shapes", default="qwen3-1.7b,qwen3-4b", help="comma-separated; empty: only --largest")
     p.add_argument("--largest", default="qwen3-8b")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--json", default=None)
@@ -94,7 +103,7 @@ def main():
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=2)
 
-    for shape in args.shapes.split(","):
+    for shape in filter(None, args.shapes.split(",")):
         for placement in ("gpu", "host"):
             for lend in (False, True):
                 try:
@@ -107,6 +116,7 @@ def main():
     at4 = {(r["placement"], r["lend_kv"]): r for r in runs if r.get("shape") == "qwen3-4b" and "s_per_step" in r}
     if ("gpu", True) in at4 and ("host", True) in at4:
         out["host_overhead_frac"] = at4[("host", True)]["s_per_step"] / at4[("gpu", True)]["s_per_step"] - 1
+    save()
     if args.largest:
         try:
             largest = grpo_steps(args.largest, "host", True, args.steps, True, 4096)
@@ -120,7 +130,7 @@ def main():
     for r in runs:
         if "s_per_step" in r:
             print(f"{r['shape']:11s} {r['placement']:9s} {r['lend_kv']!s:5s} {r['s_per_step']:7.2f} "
-                  f"{r['generate_s']:6.2f} {r['train_s']:7.2f} {r['peak_gib']:8.1f}")
+                  f"{r['generate_s']:6.2f} {r['train_s']:7.2f} {r['peak_device_gib']:8.1f}")
         else:
             print(f"{r['shape']:11s} {r['placement']:9s} {r['lend_kv']!s:5s} error: {r['error'][:60]}")
     print({k: v for k, v in out.items() if k not in ("runs",)})

@@ -25,16 +25,32 @@ class HostAdamW(MasterAdamW):
                  chunk_numel: int = 1 << 25, in_flight: int = 3):
         self.chunk_numel = chunk_numel
         self.in_flight = in_flight
-        super().__init__(named_params, cfg, total_steps)
+        named = list(named_params)
+        unique = {id(p): p for _, p in named if p.requires_grad}.values()
+        # One host arena for every master and moment, page-locked as a whole: exact size (the pinned caching
+        # allocator rounds each allocation up to a power of two, +30-50% host memory for a model's tensors).
+        self._arena = torch.empty(3 * sum(p.numel() for p in unique), dtype=torch.float32)
+        self._cursor = 0
+        self._registered = False
+        if any(p.is_cuda for p in unique) and self._arena.numel():
+            err = int(torch.cuda.cudart().cudaHostRegister(self._arena.data_ptr(), self._arena.nbytes, 0))
+            if err != 0:
+                raise RuntimeError(f"page-locking {self._arena.nbytes / 2**30:.1f} GiB of host memory for the "
+                                   f"optimizer state failed (CUDA error {err})")
+            self._registered = True
+        super().__init__(named, cfg, total_steps)
 
     def _new_state(self, param: torch.nn.Parameter) -> _AdamState:
-        pin = param.is_cuda
+        def take() -> torch.Tensor:
+            out = self._arena[self._cursor:self._cursor + param.numel()].view(param.shape)
+            self._cursor += param.numel()
+            return out
 
-        def host(src: torch.Tensor | None) -> torch.Tensor:
-            out = torch.empty(param.shape, dtype=torch.float32, pin_memory=pin)
-            return out.copy_(src) if src is not None else out.zero_()
+        return _AdamState(master=take().copy_(param.detach()), exp_avg=take().zero_(), exp_avg_sq=take().zero_())
 
-        return _AdamState(master=host(param.detach()), exp_avg=host(None), exp_avg_sq=host(None))
+    def __del__(self):
+        if getattr(self, "_registered", False):
+            torch.cuda.cudart().cudaHostUnregister(self._arena.data_ptr())
 
     def _update_all(self, stepped: dict[str, torch.nn.Parameter], grad_scale: float, lr: float
                     ) -> dict[str, torch.Tensor]:
