@@ -103,19 +103,19 @@ def test_sdpa_model_is_refused_for_packed_training():
 
 
 def test_lending_host_placement_and_checkpointing_change_nothing(model_dir, tmp_path):
-    """Same seed, same run: with the KV pool lent to every step (the default) or not, the optimizer state in
+    """Same seed, same run: with the KV pool lent to every step or not, the optimizer state in
     host memory or not, activation checkpointing or not: the same completions, losses and final weights."""
     from safetensors.torch import load_file
 
-    runs = {"default": [], "no_lending": ["--memory.lend_kv=false"], "host": ["--optim.placement=host"],
-            "checkpointing": ["--memory.activation_checkpointing=true"]}
+    runs = {"lending": ["--memory.lend_kv=always"], "no_lending": ["--memory.lend_kv=never"],
+            "host": ["--optim.placement=host"], "checkpointing": ["--memory.activation_checkpointing=true"]}
     results = {}
     for name, overrides in runs.items():
         out = tmp_path / name
         train(run_cfg(model_dir, out, "--optim.lr=1e-3", *overrides), task())
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         results[name] = (records, load_file(str(out / "checkpoint" / "model.safetensors")))
-    base_records, base_weights = results.pop("default")
+    base_records, base_weights = results.pop("lending")
     assert all(r["memory/kv_lent_gib"] > 0 for r in base_records)
     for name, (records, weights) in results.items():
         for a, b in zip(base_records, records, strict=True):

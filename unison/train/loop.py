@@ -50,7 +50,8 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
         engine_cfg = dataclasses.replace(engine_cfg, num_blocks=_kv_blocks(cfg, tokenizer, task))
     optimizer = make_optimizer(model.named_parameters(), cfg.optim, total_steps=cfg.max_steps)
     engine = Engine(model, engine_cfg)
-    plan = plan_memory(model, engine.pool.nbytes, cfg.optim.placement == "gpu", cfg.memory.lend_kv,
+    lend = cfg.memory.lends(engine.device)
+    plan = plan_memory(model, engine.pool.nbytes, cfg.optim.placement == "gpu", lend,
                        cfg.step.max_tokens_per_row, cfg.step.logprob_chunk, cfg.memory.activation_checkpointing)
     log.info("KV pool: %d blocks of %d tokens\n%s", engine_cfg.num_blocks, engine_cfg.block_size, plan.table())
     stop_ids = stop_token_ids(tokenizer, model)
@@ -68,7 +69,7 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
         try:
             samples, metrics = rollout.next_batch(trainer_version=engine.version)
             t1 = time.perf_counter()
-            with engine.lend() if cfg.memory.lend_kv else nullcontext(0) as lent:
+            with engine.lend() if lend else nullcontext(0) as lent:
                 metrics.update(train_step(model, optimizer, samples, cfg.loss, cfg.rollout.temperature,
                                           cfg.step.max_tokens_per_row, pad_id, cfg.step.logprob_chunk,
                                           cfg.memory.activation_checkpointing))

@@ -9,16 +9,26 @@ and moments (unless ``optim.placement=host``), the engine's KV pool (lent to the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 
 @dataclass
 class MemoryConfig:
-    lend_kv: bool = True
-    """Hand the engine's KV pool to the training step (in-flight rollouts recompute their KV afterwards)."""
+    lend_kv: Literal["auto", "always", "never"] = "auto"
+    """Hand the engine's KV pool to the training step; in-flight rollouts recompute their KV afterwards. auto: on
+    a GPU only (on the CPU the pool is host memory, and recomputing costs more than it frees)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them."""
+
+
+    def __post_init__(self):
+        if self.lend_kv not in ("auto", "always", "never"):
+            raise ValueError(f"memory.lend_kv must be 'auto', 'always' or 'never', got {self.lend_kv!r}")
+
+    def lends(self, device: torch.device) -> bool:
+        return self.lend_kv == "always" or (self.lend_kv == "auto" and device.type == "cuda")
 
 
 @dataclass
@@ -31,7 +41,7 @@ class MemoryPlan:
         return sum(gib for _, gib, _ in self.rows)
 
     def table(self) -> str:
-        lines = [f"{'GPU memory plan':28s} {'GiB':>8s}"]
+        lines = [f"{'memory plan':28s} {'GiB':>8s}"]
         lines += [f"  {what:26s} {gib:8.2f}  {note}" for what, gib, note in self.rows]
         lines.append(f"  {'total (estimate)':26s} {self.total_gib:8.2f}"
                      + (f"  of {self.device_gib:.1f} on the device" if self.device_gib else ""))
@@ -42,7 +52,7 @@ class MemoryPlan:
         hints = {
             "optimizer (fp32 state)": "optim.placement=host moves the 12 bytes per parameter to pinned host memory",
             "KV pool": "lower rollout.max_concurrent_rollouts or rollout.max_new_tokens (the pool is sized from "
-                       "them), or keep memory.lend_kv=true so the step reuses it",
+                       "them), or set memory.lend_kv=always so the step reuses it",
             "activations (estimate)": "lower step.max_tokens_per_row, or memory.activation_checkpointing=true",
             "logits chunk": "lower step.logprob_chunk",
         }

@@ -1,0 +1,176 @@
+"""Weight patches: the elements one optimizer step changed, as a safetensors file.
+
+A sparse patch holds, per changed tensor, the flat indices of its changed elements (ascending) and their new
+values in the parameter's dtype; indices are stored as uint16 or uint32 gaps (the first one from -1) where those
+fit, else int32/int64 positions. An anchor holds every tensor whole. Both carry the version they apply to, the
+version they produce, and a checksum of each tensor they touch as it must be afterwards, so a receiver proves it
+holds the trainer's weights. Keys: ``<name>.idx`` / ``<name>.val`` (sparse), ``<name>`` (anchor); the metadata
+header says the rest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+FORMAT = "unison-patch-1"
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class PatchError(ValueError):
+    """A patch that must not be applied; the receiver asks for an anchor."""
+
+
+@dataclass
+class Patch:
+    base_version: int  # the version it applies to (-1 for an anchor: applies to anything)
+    version: int  # the version it produces
+    anchor: bool
+    indices: dict[str, torch.Tensor] = field(default_factory=dict)  # int64 flat positions, ascending (sparse)
+    values: dict[str, torch.Tensor] = field(default_factory=dict)  # changed values (sparse) or whole tensors
+    checksums: dict[str, str] = field(default_factory=dict)  # of each touched tensor after the patch
+
+    @property
+    def num_elements(self) -> int:
+        return sum(v.numel() for v in self.values.values())
+
+
+def checksum(t: torch.Tensor) -> str:
+    """128-bit digest of a tensor's bytes (its dtype and shape included)."""
+    data = t.detach().contiguous().view(-1).view(_BITS[t.element_size()]).cpu().numpy().tobytes()
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(data)
+    return h.hexdigest()
+
+
+def sparse_patch(params: dict[str, torch.Tensor], masks: dict[str, torch.Tensor], base_version: int,
+                 version: int) -> Patch:
+    """The elements of ``params`` where ``masks`` is true (the optimizer's changed masks), after the update."""
+    patch = Patch(base_version, version, anchor=False)
+    for name, mask in masks.items():
+        flat = mask.reshape(-1)
+        if not bool(flat.any()):
+            continue
+        idx = flat.nonzero().squeeze(1)
+        patch.indices[name] = idx.cpu()
+        patch.values[name] = params[name].detach().reshape(-1)[idx].cpu()
+        patch.checksums[name] = checksum(params[name])
+    return patch
+
+
+def anchor_patch(params: dict[str, torch.Tensor], version: int) -> Patch:
+    return Patch(-1, version, anchor=True, values={n: p.detach().cpu().clone() for n, p in params.items()},
+                 checksums={n: checksum(p) for n, p in params.items()})
+
+
+def encode(patch: Patch) -> bytes:
+    tensors, encodings, shapes = {}, {}, {}
+    for name, values in patch.values.items():
+        if patch.anchor:
+            tensors[name] = values.contiguous()
+            shapes[name] = list(values.shape)
+            continue
+        encodings[name], tensors[f"{name}.idx"] = _encode_indices(patch.indices[name])
+        tensors[f"{name}.val"] = values.contiguous()
+    meta = {"format": FORMAT, "base_version": str(patch.base_version), "version": str(patch.version),
+            "anchor": "1" if patch.anchor else "0", "checksums": json.dumps(patch.checksums),
+            "index_encoding": json.dumps(encodings)}
+    return st_save(tensors, metadata=meta)
+
+
+def decode(blob: bytes) -> Patch:
+    """Parse a patch; anything malformed is a ``PatchError`` (never a crash)."""
+    try:
+        meta = _metadata(blob)
+        tensors = st_load(blob)
+        if meta.get("format") != FORMAT:
+            raise PatchError(f"not a unison patch (format {meta.get('format')!r})")
+        patch = Patch(int(meta["base_version"]), int(meta["version"]), meta["anchor"] == "1",
+                      checksums=json.loads(meta["checksums"]))
+        if patch.anchor:
+            patch.values = tensors
+        else:
+            for name, encoding in json.loads(meta["index_encoding"]).items():
+                patch.indices[name] = _decode_indices(tensors[f"{name}.idx"], encoding)
+                patch.values[name] = tensors[f"{name}.val"]
+        return patch
+    except PatchError:
+        raise
+    except Exception as e:  # truncated or corrupted bytes, a missing key, bad JSON
+        raise PatchError(f"unreadable patch: {type(e).__name__}: {e}") from e
+
+
+def _metadata(blob: bytes) -> dict[str, str]:
+    (size,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + size])
+    return header.get("__metadata__", {})
+
+
+def _encode_indices(idx: torch.Tensor) -> tuple[str, torch.Tensor]:
+    gaps = torch.diff(idx, prepend=torch.tensor([-1], dtype=idx.dtype))
+    top = int(gaps.max()) if gaps.numel() else 0
+    if top < 2**16:
+        return "gap16", torch.from_numpy(gaps.numpy().astype(np.uint16))
+    if top < 2**32:
+        return "gap32", torch.from_numpy(gaps.numpy().astype(np.uint32))
+    if int(idx.max()) < 2**31:
+        return "int32", idx.to(torch.int32)
+    return "int64", idx.to(torch.int64)
+
+
+def _decode_indices(stored: torch.Tensor, encoding: str) -> torch.Tensor:
+    if encoding in ("gap16", "gap32"):
+        return torch.from_numpy(np.cumsum(stored.numpy().astype(np.int64)) - 1)
+    if encoding in ("int32", "int64"):
+        return stored.to(torch.int64)
+    raise PatchError(f"unknown index encoding {encoding!r}")
+
+
+def apply(params: dict[str, torch.Tensor], patch: Patch, version: int) -> int:
+    """Apply ``patch`` to ``params`` in place if it applies to ``version``; returns the new version.
+
+    Everything is checked before anything is written (names, dtypes, shapes, index bounds and order, lengths),
+    so a rejected patch leaves ``params`` as they were; the checksums are verified after writing (a mismatch means
+    the receiver's state had already diverged). Any failure is a ``PatchError``.
+    """
+    if not patch.anchor and patch.base_version != version:
+        raise PatchError(f"patch {patch.base_version} -> {patch.version} does not apply to version {version}")
+    unknown = [n for n in patch.values if n not in params]
+    if unknown:
+        raise PatchError(f"patch names unknown tensors: {unknown[:3]}")
+    for name, values in patch.values.items():
+        target = params[name]
+        if values.dtype != target.dtype:
+            raise PatchError(f"{name}: patch dtype {values.dtype}, parameter dtype {target.dtype}")
+        if patch.anchor:
+            if tuple(values.shape) != tuple(target.shape):
+                raise PatchError(f"{name}: anchor shape {tuple(values.shape)}, parameter {tuple(target.shape)}")
+            continue
+        idx = patch.indices[name]
+        if idx.numel() != values.numel():
+            raise PatchError(f"{name}: {idx.numel()} indices for {values.numel()} values")
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= target.numel()):
+            raise PatchError(f"{name}: index out of bounds [0, {target.numel()})")
+        if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            raise PatchError(f"{name}: indices not strictly ascending")
+    if patch.anchor and set(patch.values) != set(params):
+        raise PatchError(f"anchor covers {len(patch.values)} of {len(params)} tensors")
+    with torch.no_grad():
+        for name, values in patch.values.items():
+            target = params[name]
+            if patch.anchor:
+                target.copy_(values.to(target.device))
+            else:
+                target.view(-1)[patch.indices[name].to(target.device)] = values.to(target.device)
+    bad = [n for n in patch.values if checksum(params[n]) != patch.checksums.get(n)]
+    if bad:
+        raise PatchError(f"checksum mismatch after applying version {patch.version}: {bad[:3]}")
+    return patch.version
