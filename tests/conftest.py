@@ -91,3 +91,14 @@ def tiny_tokenizer(vocab: int = 256):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """The tiny Llama and tokenizer saved as a local HF folder, as `unison train` loads a model."""
+    path = tmp_path_factory.mktemp("tiny")
+    model, tok = tiny_llama(), tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_llama, tiny_tokenizer
+from conftest import tiny_llama
 
 from unison.config import load_config
 from unison.tasks import Task
@@ -19,16 +19,6 @@ from unison.train.loop import train
 
 def count_w7(prompts, completions, **_):
     return [c.split().count("w7") + 0.01 * len(c.split()) for c in completions]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    model, tok = tiny_llama(), tiny_tokenizer()
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
 
 
 def task():

@@ -30,6 +30,8 @@ class Command:
 
 COMMANDS = {c.name: c for c in (
     Command("train", "GRPO post-training", "unison.train.config:TrainConfig", "unison.train.loop:train"),
+    Command("serve", "a generation server that receives the trainer's weight patches", "unison.serve:ServeConfig",
+            "unison.serve:serve"),
 )}
 
 

@@ -62,7 +62,11 @@ class DirectorySubscriber:
     def poll(self) -> int:
         """Apply every new file in order; returns how many were applied."""
         entries = []
-        for p in self.fs.ls(self.root, detail=False):
+        try:
+            listing = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:  # nothing published yet
+            return 0
+        for p in listing:
             stem, _, kind = p.rsplit("/", 1)[-1].partition(".")
             if kind in ("patch", "anchor") and stem.isdigit():
                 entries.append((int(stem), kind == "anchor", p))
@@ -92,6 +96,7 @@ class DirectorySubscriber:
         return ok
 
     def _request_anchor(self) -> None:
+        self.fs.makedirs(f"{self.root}/requests", exist_ok=True)
         with self.fs.open(f"{self.root}/requests/{self.name}", "wb") as f:
             f.write(str(self.receiver.version).encode())
 
@@ -122,7 +127,7 @@ class DistChannel:
     def _broadcast(self, blob: bytes | None) -> bytes:
         size = torch.tensor([len(blob) if blob is not None else 0], dtype=torch.int64, device=self.device)
         dist.broadcast(size, self.src, group=self.group)
-        if blob is not None:
+        if blob:
             data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device)
         else:
             data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)

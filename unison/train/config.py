@@ -11,6 +11,7 @@ from typing import Literal
 
 from ..engine import EngineConfig
 from ..rollout.loop import RolloutConfig
+from ..sync.publisher import SyncConfig
 from ..tasks import DataConfig
 from .loss import LossConfig
 from .memory import MemoryConfig
@@ -61,6 +62,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5))
     step: StepConfig = field(default_factory=StepConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
     def __post_init__(self):
         if self.max_steps < 1:

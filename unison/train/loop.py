@@ -17,6 +17,8 @@ from ..engine import Engine
 from ..metrics import MetricsWriter
 from ..models import load_policy, stop_token_ids
 from ..rollout.loop import RolloutLoop, encode_prompt
+from ..rollout.remote import RemoteEngine
+from ..sync.publisher import WeightPublisher
 from ..tasks import Task, load_task
 from .checkpoint import save_hf_checkpoint
 from .config import TrainConfig
@@ -49,11 +51,18 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     if engine_cfg.num_blocks == 0:
         engine_cfg = dataclasses.replace(engine_cfg, num_blocks=_kv_blocks(cfg, tokenizer, task))
     optimizer = make_optimizer(model.named_parameters(), cfg.optim, total_steps=cfg.max_steps)
-    engine = Engine(model, engine_cfg)
-    lend = cfg.memory.lends(engine.device)
-    plan = plan_memory(model, engine.pool.nbytes, cfg.optim.placement == "gpu", lend,
-                       cfg.step.max_tokens_per_row, cfg.step.logprob_chunk, cfg.memory.activation_checkpointing)
-    log.info("KV pool: %d blocks of %d tokens\n%s", engine_cfg.num_blocks, engine_cfg.block_size, plan.table())
+    publisher = None
+    if cfg.sync.mode == "colocated":
+        engine = Engine(model, engine_cfg)
+        lend, kv_bytes = cfg.memory.lends(engine.device), engine.pool.nbytes
+        log.info("KV pool: %d blocks of %d tokens", engine_cfg.num_blocks, engine_cfg.block_size)
+    else:  # generation on `unison serve` servers, which get the weights as patches
+        engine, lend, kv_bytes = RemoteEngine(cfg.sync.servers, cfg.sync.timeout_s), False, 0
+        publisher = WeightPublisher(cfg.sync, dict(model.named_parameters()))
+        log.info("initial full sync to %s: %s", cfg.sync.servers, publisher.anchor(version=0))
+    plan = plan_memory(model, kv_bytes, cfg.optim.placement == "gpu", lend, cfg.step.max_tokens_per_row,
+                       cfg.step.logprob_chunk, cfg.memory.activation_checkpointing)
+    log.info("\n%s", plan.table())
     stop_ids = stop_token_ids(tokenizer, model)
     rollout = RolloutLoop(engine, tokenizer, task.rows, task.reward_fns, cfg.rollout, stop_ids, seed=cfg.seed,
                           system_prompt=task.system_prompt)
@@ -75,12 +84,16 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
                                           cfg.memory.activation_checkpointing))
         except torch.OutOfMemoryError as e:
             raise explain_oom(e, plan, f"step {step}") from e
-        engine.on_weights_updated()
+        if publisher is None:
+            engine.on_weights_updated()
+        else:
+            engine.version = optimizer.step_count
+            metrics.update(publisher.after_step(optimizer.step_count, optimizer.changed_masks))
         t2 = time.perf_counter()
         metrics["memory/kv_lent_gib"] = lent / 2**30
-        if engine.device.type == "cuda":
-            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
-            torch.cuda.reset_peak_memory_stats(engine.device)
+        if model.device.type == "cuda":
+            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(model.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(model.device)
         metrics.update({"time/step_s": t2 - t0, "time/rollout_s": t1 - t0, "time/train_s": t2 - t1,
                         "train/tokens_per_s": metrics["train/tokens"] / (t2 - t1)})
         writer.log(step, metrics)

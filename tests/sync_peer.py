@@ -1,0 +1,143 @@
+"""One side of a two-process weight sync (run by tests/test_sync_processes.py; not a test module).
+
+    python tests/sync_peer.py ROLE TRANSPORT OUT [URL]     ROLE: trainer | server; TRANSPORT: dist | dir
+
+The trainer trains a bf16 tiny model for STEPS optimizer steps and syncs each step's changed elements, with
+faults injected on the way (a dropped patch, corrupted bytes, a patch for the wrong base version, an
+out-of-bounds index); the server starts from different weights, applies what arrives, and asks for anchors.
+At the end both write their parameters' checksums and counts to OUT/<role>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest import tiny_llama  # noqa: E402
+
+from unison.sync import Receiver, anchor_patch, checksum, decode, encode, sparse_patch  # noqa: E402
+from unison.sync.transport import DirectoryPublisher, DirectorySubscriber, DistChannel  # noqa: E402
+from unison.train.optimizer import MasterAdamW, OptimConfig  # noqa: E402
+
+STEPS = 8
+FAULTS = {2: "drop", 4: "corrupt", 5: "base", 6: "bounds"}
+
+
+def faulty(blob: bytes, kind: str | None, step: int) -> bytes | None:
+    if kind == "drop":
+        return None
+    if kind == "corrupt":
+        return blob[: len(blob) // 2] + bytes(16) + blob[len(blob) // 2 + 16:]
+    patch = decode(blob)
+    if kind == "base":
+        patch.base_version = step - 2
+    if kind == "bounds":
+        name = next(iter(patch.indices))
+        patch.indices[name] = patch.indices[name].clone()
+        patch.indices[name][-1] = 10**9
+    return encode(patch)
+
+
+def wait_for_server(url: str, version: int, timeout: float = 30.0) -> None:
+    """Until the server holds ``version``, or has polled since it was published and asked for an anchor (each
+    poll leaves an acknowledgement: the version it holds and whether it needs an anchor)."""
+    path = os.path.join(url, "ack")
+    published = time.time()
+    deadline = published + timeout
+    while time.time() < deadline:
+        if os.path.exists(path):
+            with open(path) as f:
+                held, needs_anchor = f.read().split()
+            if int(held) >= version and needs_anchor == "0":
+                return
+            if needs_anchor == "1" and os.path.getmtime(path) > published:
+                return
+        time.sleep(0.02)
+
+
+def trainer(transport: str, out: str, url: str | None) -> dict:
+    model = tiny_llama(dtype=torch.bfloat16)
+    params = dict(model.named_parameters())
+    opt = MasterAdamW(model.named_parameters(), OptimConfig(lr=3e-3), total_steps=STEPS)
+    channel = DistChannel() if transport == "dist" else DirectoryPublisher(url)
+    sent_elements = changed_elements = 0
+    anchors = 0
+
+    def send(blob, version, anchor):
+        nonlocal anchors
+        if transport == "dist":
+            if blob is None:  # a dropped patch: the server sees an empty message
+                blob = b""
+            anchors += channel.send(blob, anchor=lambda: encode(anchor_patch(params, version)))
+        else:
+            if blob is not None:
+                channel.publish(blob, version, anchor)
+            wait_for_server(url, version)
+            if channel.anchor_requested():
+                channel.publish(encode(anchor_patch(params, version)), version, anchor=True)
+                anchors += 1
+
+    send(encode(anchor_patch(params, 0)), 0, True)  # the initial full sync
+    for step in range(1, STEPS + 1):
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, 256, (2, 16), generator=g)
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        patch = sparse_patch(params, opt.changed_masks, step - 1, step)
+        sent_elements += patch.num_elements
+        changed_elements += sum(int(m.sum()) for m in opt.changed_masks.values())
+        send(faulty(encode(patch), FAULTS.get(step), step), step, False)
+    if transport == "dir":
+        wait_for_server(url, STEPS)
+        if channel.anchor_requested():
+            channel.publish(encode(anchor_patch(params, STEPS)), STEPS, anchor=True)
+            anchors += 1
+    return {"checksums": {n: checksum(p) for n, p in params.items()}, "sent_elements": sent_elements,
+            "changed_elements": changed_elements, "anchors_on_request": anchors,
+            "total_elements": STEPS * sum(p.numel() for p in params.values())}
+
+
+def server(transport: str, out: str, url: str | None) -> dict:
+    model = tiny_llama(seed=1, dtype=torch.bfloat16)  # different weights: only the sync makes them equal
+    receiver = Receiver(dict(model.named_parameters()))
+    if transport == "dist":
+        channel = DistChannel()
+        for _ in range(STEPS + 1):
+            channel.receive(receiver)
+    else:
+        os.makedirs(url, exist_ok=True)
+        sub = DirectorySubscriber(url, receiver)
+        deadline = time.time() + 60
+        while receiver.version < STEPS or receiver.needs_anchor:
+            sub.poll()
+            with open(os.path.join(url, ".ack"), "w") as f:
+                f.write(f"{receiver.version} {int(receiver.needs_anchor)}")
+            os.replace(os.path.join(url, ".ack"), os.path.join(url, "ack"))
+            time.sleep(0.05)
+            if time.time() > deadline:
+                break
+    return {"checksums": {n: checksum(p) for n, p in model.named_parameters()}, "version": receiver.version,
+            "counts": dict(receiver.counts)}
+
+
+def main():
+    role, transport, out = sys.argv[1:4]
+    url = sys.argv[4] if len(sys.argv) > 4 else None
+    if transport == "dist":
+        dist.init_process_group("gloo")
+    result = (trainer if role == "trainer" else server)(transport, out, url)
+    with open(os.path.join(out, f"{role}.json"), "w") as f:
+        json.dump(result, f)
+    if transport == "dist":
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""`unison serve` in-process: completions over HTTP from a server whose weights arrive as patches."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from http.server import ThreadingHTTPServer
+
+import pytest
+import torch
+from conftest import random_prompts, teacher_forced_logprobs, tiny_llama
+from test_train_e2e import run_cfg, task
+
+from unison.engine import Engine, EngineConfig
+from unison.serve import GenerationServer, make_handler
+from unison.sync import Receiver, anchor_patch, encode, sparse_patch
+from unison.sync.transport import DirectoryPublisher
+from unison.train.optimizer import MasterAdamW, OptimConfig
+
+
+@pytest.fixture
+def served():
+    model = tiny_llama(seed=1)  # not the trainer's weights: only the sync makes them so
+    server = GenerationServer(Engine(model, EngineConfig(num_blocks=128, block_size=4, seed=0)),
+                              Receiver(dict(model.named_parameters())))
+    server.start()
+    http = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(server, timeout=60))
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{http.server_address[1]}"
+    http.shutdown()
+    server.stop()
+
+
+def call(url: str, path: str, payload=None) -> tuple[int, dict]:
+    data = None if payload is None else payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + path, data=data), timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_completions_follow_the_trainers_patches(served):
+    trainer = tiny_llama(seed=0)
+    params = dict(trainer.named_parameters())
+    opt = MasterAdamW(trainer.named_parameters(), OptimConfig(lr=1e-2), total_steps=2)
+    prompt = random_prompts([7])[0]
+    assert call(served, "/health") == (200, {"status": "ok"})
+    status, body = call(served, "/v1/completions", {"prompt": prompt, "max_tokens": 4})
+    assert status == 400 and "anchor" in body["error"]  # no weights yet
+
+    assert call(served, "/v1/weights", encode(anchor_patch(params, 0)))[0] == 200
+    assert call(served, "/version")[1] == {"version": 0, "needs_anchor": False}
+    status, body = call(served, "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                                    "stop_token_ids": []})
+    ref = trainer.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12,
+                           pad_token_id=0)
+    assert status == 200 and body["choices"][0]["token_ids"] == ref[0, len(prompt):].tolist()
+
+    ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
+    trainer(ids, labels=ids).loss.backward()
+    opt.step()
+    status, body = call(served, "/v1/weights", encode(sparse_patch(params, opt.changed_masks, 0, 1)))
+    assert status == 200 and body["version"] == 1
+    status, body = call(served, "/v1/completions", {"prompt": prompt, "max_tokens": 10, "n": 2, "seed": 3,
+                                                    "stop_token_ids": []})
+    assert status == 200 and body["weight_version"] == 1
+    for choice in body["choices"]:
+        assert choice["weight_versions"] == [1] * 10
+        ref = teacher_forced_logprobs(trainer, prompt, choice["token_ids"])
+        assert (ref - torch.tensor(choice["logprobs"])).abs().max() < 1e-4  # the server holds the new weights
+
+    # A patch for the wrong base version is refused and says why; a malformed request is a 400.
+    status, body = call(served, "/v1/weights", encode(sparse_patch(params, opt.changed_masks, 5, 6)))
+    assert status == 409 and body["needs_anchor"] and "does not apply" in body["error"]
+    status, body = call(served, "/v1/completions", {"prompt": "not ids"})
+    assert status == 400 and "token ids" in body["error"]
+
+
+@pytest.mark.parametrize("transport", ["http", "fsspec"])
+def test_train_with_remote_generation(transport, tmp_path, model_dir):
+    """`unison train` with sync.mode=sparse: rollouts come from a `unison serve` server that starts with other
+    weights; the initial anchor and each step's sparse patch keep it bit-identical to the trainer."""
+    from safetensors.torch import load_file
+
+    from unison.sync import checksum
+    from unison.train.loop import train
+
+    model = tiny_llama(seed=1)
+    directory = str(tmp_path / "patches")
+    server = GenerationServer(Engine(model, EngineConfig(num_blocks=256, block_size=8, seed=0)),
+                              Receiver(dict(model.named_parameters())), directory if transport == "fsspec" else "")
+    if transport == "fsspec":
+        DirectoryPublisher(directory)  # the directory exists before the server polls it
+    server.start()
+    http = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(server, timeout=60))
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{http.server_address[1]}"
+    try:
+        out = tmp_path / "run"
+        train(run_cfg(model_dir, out, "--optim.lr=1e-3", "--sync.mode=sparse", f"--sync.transport={transport}",
+                      f"--sync.servers=[{url}]", f"--sync.url={directory}"), task())
+    finally:
+        http.shutdown()
+        server.stop()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["sync/elements_frac"] <= 1 and r["sync/bytes"] > 0 for r in records)
+    assert all(r["reward/mean"] is not None for r in records)
+    if transport == "fsspec" and server.receiver.version < 3:  # the last patch, at the server's next poll
+        server.subscriber.poll()
+    assert server.receiver.version == 3 and server.receiver.counts["rejected"] == 0
+    trained = load_file(str(out / "checkpoint" / "model.safetensors"))
+    served = dict(model.named_parameters())
+    assert all(checksum(served[name]) == checksum(t) for name, t in trained.items())

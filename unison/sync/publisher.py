@@ -1,0 +1,93 @@
+"""The trainer's side of disaggregated generation: after every optimizer step, send what changed.
+
+``sync.mode``: ``colocated`` (the engine decodes from the trainer's own tensors: nothing to send), ``sparse``
+(the changed bf16 elements, from the optimizer's exact masks), ``full`` (the whole state dict every step).
+``sync.transport``: ``http`` (POST to every server's ``/v1/weights``; a server that answers 409 needs an anchor
+and gets one at once) or ``fsspec`` (a directory servers poll, ``unison serve --sync_url``). A full anchor goes
+out before the first rollout and every ``anchor_every`` syncs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from .codec import anchor_patch, encode, sparse_patch
+from .transport import DirectoryPublisher
+
+
+@dataclass
+class SyncConfig:
+    mode: Literal["colocated", "sparse", "full"] = "colocated"
+    transport: Literal["http", "fsspec"] = "http"
+    servers: list[str] = field(default_factory=list)
+    """`unison serve` URLs that generate the rollouts (and, with transport http, receive the patches)."""
+    url: str = ""
+    """With transport fsspec: the directory (any fsspec URL) the servers' --sync_url points at."""
+    anchor_every: int = 50
+    """Also send a full anchor every this many syncs (0: only when a server asks)."""
+    timeout_s: float = 600.0
+
+    def __post_init__(self):
+        if self.mode not in ("colocated", "sparse", "full"):
+            raise ValueError(f"sync.mode must be 'colocated', 'sparse' or 'full', got {self.mode!r}")
+        if self.transport not in ("http", "fsspec"):
+            raise ValueError(f"sync.transport must be 'http' or 'fsspec', got {self.transport!r}")
+        if self.mode != "colocated" and not self.servers:
+            raise ValueError(f"sync.mode={self.mode} generates on `unison serve` servers: set sync.servers")
+        if self.mode != "colocated" and self.transport == "fsspec" and not self.url:
+            raise ValueError("sync.transport=fsspec needs sync.url (the directory the servers poll)")
+        if self.anchor_every < 0:
+            raise ValueError(f"sync.anchor_every must be >= 0, got {self.anchor_every}")
+
+
+class WeightPublisher:
+    def __init__(self, cfg: SyncConfig, params: dict[str, torch.Tensor]):
+        self.cfg = cfg
+        self.params = params
+        self.total = sum(p.numel() for p in params.values())
+        self.syncs = 0
+        self.directory = DirectoryPublisher(cfg.url) if cfg.transport == "fsspec" else None
+
+    def anchor(self, version: int) -> dict[str, float]:
+        """Send the whole state (the initial sync)."""
+        t0 = time.perf_counter()
+        blob = encode(anchor_patch(self.params, version))
+        anchors = self._send(blob, version, anchor=True, anchor_blob=lambda: blob)
+        return {"sync/bytes": float(len(blob)), "sync/s": time.perf_counter() - t0, "sync/anchors": float(anchors)}
+
+    def after_step(self, version: int, changed_masks: dict[str, torch.Tensor]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.syncs += 1
+        full = self.cfg.mode == "full" or (self.cfg.anchor_every and self.syncs % self.cfg.anchor_every == 0)
+        patch = anchor_patch(self.params, version) if full else \
+            sparse_patch(self.params, changed_masks, version - 1, version)
+        blob = encode(patch)
+        anchors = self._send(blob, version, anchor=patch.anchor,
+                             anchor_blob=lambda: blob if patch.anchor else encode(anchor_patch(self.params, version)))
+        return {"sync/bytes": float(len(blob)), "sync/s": time.perf_counter() - t0,
+                "sync/elements_frac": patch.num_elements / self.total, "sync/anchors": float(anchors)}
+
+    def _send(self, blob: bytes, version: int, anchor: bool, anchor_blob) -> int:
+        """Deliver ``blob``; answer every anchor request. Returns the anchors sent on request."""
+        from ..rollout.remote import post_json
+
+        sent = 0
+        if self.directory is not None:
+            self.directory.publish(blob, version, anchor)
+            if self.directory.anchor_requested():
+                self.directory.publish(anchor_blob(), version, anchor=True)
+                sent += 1
+            return sent
+        for server in self.cfg.servers:
+            try:
+                post_json(f"{server.rstrip('/')}/v1/weights", blob, self.cfg.timeout_s)
+            except RuntimeError as e:
+                if "HTTP 409" not in str(e):
+                    raise
+                post_json(f"{server.rstrip('/')}/v1/weights", anchor_blob(), self.cfg.timeout_s)
+                sent += 1
+        return sent
