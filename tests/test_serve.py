@@ -114,3 +114,56 @@ def test_train_with_remote_generation(transport, tmp_path, model_dir):
     trained = load_file(str(out / "checkpoint" / "model.safetensors"))
     served = dict(model.named_parameters())
     assert all(checksum(served[name]) == checksum(t) for name, t in trained.items())
+
+
+def test_train_with_a_served_process_over_torch_distributed(tmp_path, model_dir):
+    """`unison serve` as its own process, joined to the trainer's gloo process group: the trainer broadcasts
+    each step's patch; afterwards the server's /checksums equal the trainer's final weights."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from transformers import AutoTokenizer
+
+    from unison.sync import checksum
+    from unison.train.loop import train
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    other = tmp_path / "server_model"  # the same architecture, other weights
+    tiny_llama(seed=1).save_pretrained(other)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(other)
+    http_port, dist_port = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "unison", "serve", f"--model.name_or_path={other}",
+                             f"--port={http_port}", "--engine.num_blocks=256", "--engine.block_size=8",
+                             f"--sync_dist=tcp://127.0.0.1:{dist_port}", "--sync_rank=1", "--sync_world_size=2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        for _ in range(600):
+            try:
+                if call(url, "/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        out = tmp_path / "run"
+        train(run_cfg(model_dir, out, "--optim.lr=1e-3", "--sync.mode=sparse", "--sync.transport=dist",
+                      f"--sync.servers=[{url}]", f"--sync.url=tcp://127.0.0.1:{dist_port}"), task())
+        status, version = call(url, "/version")
+        status, served = call(url, "/checksums")
+    finally:
+        proc.terminate()
+        log, _ = proc.communicate(timeout=30)
+    assert version == {"version": 3, "needs_anchor": False}, log[-2000:]
+    from safetensors.torch import load_file
+
+    trained = load_file(str(out / "checkpoint" / "model.safetensors"))
+    assert served == {name: checksum(t) for name, t in trained.items()}
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["sync/elements_frac"] < 1 for r in records)  # fp32: all but untouched embedding rows change

@@ -7,12 +7,15 @@ HTTP API (JSON):
   "top_k": 0, "n": 1, "seed": null, "stop_token_ids": null}`` returns ``{"choices": [{"token_ids", "logprobs",
   "finish_reason", "weight_versions"}], "weight_version": v}``: token ids in and out, each token's logprob
   under the distribution it was sampled from, and the weight version that sampled it.
-- ``GET /health``, ``GET /version`` (``{"version": v, "needs_anchor": bool}``).
+- ``GET /health``, ``GET /version`` (``{"version": v, "needs_anchor": bool}``), ``GET /checksums`` (each
+  parameter's checksum: compare with the trainer's to prove the server holds its weights).
 - ``POST /v1/weights`` with a patch or an anchor (the bytes of ``unison.sync.encode``) as the body.
 
 One thread owns the engine: it admits queued requests, applies queued weight updates between engine steps (never
 during one), steps, and hands finished completions back to the waiting HTTP threads. With ``sync_url`` the same
-thread also polls that directory for patches.
+thread also polls that directory for patches. With ``sync_dist`` a second thread joins the trainer's process group
+(rank ``sync_rank``) and hands each broadcast patch to the engine thread, answering the trainer's need-anchor
+all-reduce once it is applied.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from .engine import Engine, EngineConfig, SamplingParams
-from .sync import Receiver
+from .sync import Receiver, checksum
 from .sync.transport import DirectorySubscriber
 from .train.config import ModelConfig
 
@@ -45,6 +48,11 @@ class ServeConfig:
     """A directory (any fsspec URL) the trainer publishes patches to; empty: updates come by POST only."""
     synced: bool = False
     """Serve from the loaded weights as version 0 (true), or refuse completions until an anchor arrives."""
+    sync_dist: str = ""
+    """The trainer's process group (``tcp://host:port``, its sync.url with sync.transport=dist); empty: none."""
+    sync_rank: int = 1
+    """This server's rank in that group (the trainer is 0; servers 1 .. N, in the order of its sync.servers)."""
+    sync_world_size: int = 2
 
 
 class GenerationServer:
@@ -58,8 +66,23 @@ class GenerationServer:
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="unison-engine", daemon=True)
 
-    def start(self) -> None:
+    def start(self, dist_init: dict | None = None) -> None:
         self.thread.start()
+        if dist_init is not None:
+            threading.Thread(target=self._dist_loop, args=(dist_init,), name="unison-sync", daemon=True).start()
+
+    def _dist_loop(self, init: dict) -> None:
+        import torch.distributed as dist
+
+        from .sync.transport import DistChannel
+
+        cuda = self.engine.device.type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo", **init)
+        channel = DistChannel(device=self.engine.device if cuda else "cpu")
+        while channel.receive(self.receiver, apply=lambda blob: self.update(blob).result()):
+            pass
+        dist.destroy_process_group()
+        log.info("the trainer closed the sync channel at version %d", self.receiver.version)
 
     def stop(self) -> None:
         self.stopped.set()
@@ -68,6 +91,11 @@ class GenerationServer:
     def complete(self, prompt: list[int], params: SamplingParams) -> Future:
         future: Future = Future()
         self.requests.put((prompt, params, future))
+        return future
+
+    def checksums(self) -> Future:
+        future: Future = Future()
+        self.updates.put((None, future))
         return future
 
     def update(self, blob: bytes) -> Future:
@@ -97,6 +125,9 @@ class GenerationServer:
                 blob, future = self.updates.get_nowait()
             except queue.Empty:
                 break
+            if blob is None:  # a checksum request: answered between engine steps, never during an update
+                future.set_result({name: checksum(p) for name, p in self.receiver.params.items()})
+                continue
             ok = self.receiver.receive(blob)
             changed |= ok
             future.set_result(ok)
@@ -139,6 +170,8 @@ def make_handler(server: GenerationServer, timeout: float = 600.0):
         def do_GET(self):
             if self.path == "/health":
                 self._send(200, {"status": "ok"})
+            elif self.path == "/checksums":
+                self._send(200, server.checksums().result(timeout))
             elif self.path == "/version":
                 self._send(200, {"version": server.receiver.version, "needs_anchor": server.receiver.needs_anchor})
             else:
@@ -187,7 +220,8 @@ def serve(cfg: ServeConfig) -> None:
     engine = Engine(model, cfg.engine)
     receiver = Receiver(dict(model.named_parameters()), version=0 if cfg.synced else -1)
     server = GenerationServer(engine, receiver, cfg.sync_url)
-    server.start()
+    server.start({"init_method": cfg.sync_dist, "rank": cfg.sync_rank, "world_size": cfg.sync_world_size}
+                 if cfg.sync_dist else None)
     http = ThreadingHTTPServer((cfg.host, cfg.port), make_handler(server))
     log.info("serving %s on http://%s:%d", cfg.model.name_or_path, cfg.host, http.server_address[1])
     try:

@@ -3,30 +3,35 @@
 ``sync.mode``: ``colocated`` (the engine decodes from the trainer's own tensors: nothing to send), ``sparse``
 (the changed bf16 elements, from the optimizer's exact masks), ``full`` (the whole state dict every step).
 ``sync.transport``: ``http`` (POST to every server's ``/v1/weights``; a server that answers 409 needs an anchor
-and gets one at once) or ``fsspec`` (a directory servers poll, ``unison serve --sync_url``). A full anchor goes
-out before the first rollout and every ``anchor_every`` syncs.
+and gets one at once), ``fsspec`` (a directory servers poll, ``unison serve --sync_url``) or ``dist`` (a
+``torch.distributed`` group of the trainer, rank 0, and the servers, ``unison serve --sync_dist``: a broadcast,
+then an all-reduce of need-anchor flags; NCCL on GPUs, gloo otherwise). A full anchor goes out before the first
+rollout and every ``anchor_every`` syncs.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 from .codec import anchor_patch, encode, sparse_patch
-from .transport import DirectoryPublisher
+from .transport import DirectoryPublisher, DistChannel
 
 
 @dataclass
 class SyncConfig:
     mode: Literal["colocated", "sparse", "full"] = "colocated"
-    transport: Literal["http", "fsspec"] = "http"
+    transport: Literal["http", "fsspec", "dist"] = "http"
     servers: list[str] = field(default_factory=list)
     """`unison serve` URLs that generate the rollouts (and, with transport http, receive the patches)."""
     url: str = ""
-    """With transport fsspec: the directory (any fsspec URL) the servers' --sync_url points at."""
+    """With transport fsspec: the directory (any fsspec URL) the servers' --sync_url points at. With dist: the
+    process group's init method (``tcp://host:port``), the servers' --sync_dist."""
     anchor_every: int = 50
     """Also send a full anchor every this many syncs (0: only when a server asks)."""
     timeout_s: float = 600.0
@@ -34,12 +39,13 @@ class SyncConfig:
     def __post_init__(self):
         if self.mode not in ("colocated", "sparse", "full"):
             raise ValueError(f"sync.mode must be 'colocated', 'sparse' or 'full', got {self.mode!r}")
-        if self.transport not in ("http", "fsspec"):
-            raise ValueError(f"sync.transport must be 'http' or 'fsspec', got {self.transport!r}")
+        if self.transport not in ("http", "fsspec", "dist"):
+            raise ValueError(f"sync.transport must be 'http', 'fsspec' or 'dist', got {self.transport!r}")
         if self.mode != "colocated" and not self.servers:
             raise ValueError(f"sync.mode={self.mode} generates on `unison serve` servers: set sync.servers")
-        if self.mode != "colocated" and self.transport == "fsspec" and not self.url:
-            raise ValueError("sync.transport=fsspec needs sync.url (the directory the servers poll)")
+        if self.mode != "colocated" and self.transport in ("fsspec", "dist") and not self.url:
+            raise ValueError(f"sync.transport={self.transport} needs sync.url (the directory the servers poll, or "
+                             "the process group's tcp:// address)")
         if self.anchor_every < 0:
             raise ValueError(f"sync.anchor_every must be >= 0, got {self.anchor_every}")
 
@@ -51,6 +57,20 @@ class WeightPublisher:
         self.total = sum(p.numel() for p in params.values())
         self.syncs = 0
         self.directory = DirectoryPublisher(cfg.url) if cfg.transport == "fsspec" else None
+        self.channel = None
+        if cfg.transport == "dist":
+            cuda = next(iter(params.values())).is_cuda
+            # The trainer is rank 0 of a group with every server; this blocks until they have all joined.
+            dist.init_process_group("nccl" if cuda else "gloo", init_method=cfg.url, rank=0,
+                                    world_size=1 + len(cfg.servers), timeout=timedelta(seconds=cfg.timeout_s))
+            self.channel = DistChannel(device=next(iter(params.values())).device if cuda else "cpu")
+
+    def close(self) -> None:
+        """End the servers' receive loops (dist) and leave the process group."""
+        if self.channel is not None:
+            self.channel.close()
+            dist.destroy_process_group()
+            self.channel = None
 
     def anchor(self, version: int) -> dict[str, float]:
         """Send the whole state (the initial sync)."""
@@ -76,6 +96,8 @@ class WeightPublisher:
         from ..rollout.remote import post_json
 
         sent = 0
+        if self.channel is not None:
+            return int(self.channel.send(blob, anchor=anchor_blob))
         if self.directory is not None:
             self.directory.publish(blob, version, anchor)
             if self.directory.anchor_requested():

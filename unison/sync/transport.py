@@ -102,12 +102,13 @@ class DirectorySubscriber:
 
 
 class DistChannel:
-    """One sync round over a process group: ``send`` on the trainer (rank ``src``), ``receive`` on every server."""
+    """One sync round over a process group: ``send`` on the trainer (rank ``src``), ``receive`` on every server.
+    ``close`` (trainer) ends the servers' receive loops."""
 
     def __init__(self, src: int = 0, group=None, device: torch.device | str = "cpu"):
         self.src, self.group, self.device = src, group, torch.device(device)
 
-    def send(self, blob: bytes, anchor: bytes | None = None) -> bool:
+    def send(self, blob: bytes, anchor=None) -> bool:
         """Broadcast ``blob``; if any server then needs an anchor, broadcast ``anchor`` (bytes, or a callable
         producing them). Returns whether an anchor was sent."""
         self._broadcast(blob)
@@ -118,19 +119,33 @@ class DistChannel:
             raise RuntimeError("a server still needs an anchor after receiving one")
         return True
 
-    def receive(self, receiver: Receiver) -> None:
-        receiver.receive(self._broadcast(None))
-        if self._anyone_needs_anchor(receiver.needs_anchor):
-            receiver.receive(self._broadcast(None))
-            self._anyone_needs_anchor(receiver.needs_anchor)
+    def close(self) -> None:
+        self._broadcast(None, closing=True)
 
-    def _broadcast(self, blob: bytes | None) -> bytes:
-        size = torch.tensor([len(blob) if blob is not None else 0], dtype=torch.int64, device=self.device)
+    def receive(self, receiver: Receiver, apply=None) -> bool:
+        """Take one sync round: apply the patch (``apply(blob)``, by default ``receiver.receive``), report whether an
+        anchor is needed, apply it if one comes. False when the trainer closed the channel."""
+        apply = apply or receiver.receive
+        blob = self._broadcast(None)
+        if blob is None:
+            return False
+        apply(blob)
+        if self._anyone_needs_anchor(receiver.needs_anchor):
+            apply(self._broadcast(None))
+            self._anyone_needs_anchor(receiver.needs_anchor)
+        return True
+
+    def _broadcast(self, blob: bytes | None, closing: bool = False) -> bytes | None:
+        n = -1 if closing else len(blob) if blob is not None else 0
+        size = torch.tensor([n], dtype=torch.int64, device=self.device)
         dist.broadcast(size, self.src, group=self.group)
+        n = int(size.item())
+        if n < 0:
+            return None
         if blob:
             data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device)
         else:
-            data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+            data = torch.empty(n, dtype=torch.uint8, device=self.device)
         dist.broadcast(data, self.src, group=self.group)
         return blob if blob is not None else data.cpu().numpy().tobytes()
 

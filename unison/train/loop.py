@@ -102,6 +102,8 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
             save_hf_checkpoint(model, tokenizer, os.path.join(cfg.output_dir, f"checkpoint-{step}"))
 
+    if publisher is not None:
+        publisher.close()
     save_hf_checkpoint(model, tokenizer, os.path.join(cfg.output_dir, "checkpoint"))
     writer.plot()
     writer.close()
