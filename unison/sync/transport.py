@@ -111,31 +111,31 @@ class DistChannel:
     def send(self, blob: bytes, anchor=None) -> bool:
         """Broadcast ``blob``; if any server then needs an anchor, broadcast ``anchor`` (bytes, or a callable
         producing them). Returns whether an anchor was sent."""
-        self._broadcast(blob)
-        if not self._anyone_needs_anchor(False):
+        self.broadcast(blob)
+        if not self.anyone_needs_anchor(False):
             return False
-        self._broadcast(anchor() if callable(anchor) else anchor)
-        if self._anyone_needs_anchor(False):
+        self.broadcast(anchor() if callable(anchor) else anchor)
+        if self.anyone_needs_anchor(False):
             raise RuntimeError("a server still needs an anchor after receiving one")
         return True
 
     def close(self) -> None:
-        self._broadcast(None, closing=True)
+        self.broadcast(None, closing=True)
 
     def receive(self, receiver: Receiver, apply=None) -> bool:
         """Take one sync round: apply the patch (``apply(blob)``, by default ``receiver.receive``), report whether an
         anchor is needed, apply it if one comes. False when the trainer closed the channel."""
         apply = apply or receiver.receive
-        blob = self._broadcast(None)
+        blob = self.broadcast(None)
         if blob is None:
             return False
         apply(blob)
-        if self._anyone_needs_anchor(receiver.needs_anchor):
-            apply(self._broadcast(None))
-            self._anyone_needs_anchor(receiver.needs_anchor)
+        if self.anyone_needs_anchor(receiver.needs_anchor):
+            apply(self.broadcast(None))
+            self.anyone_needs_anchor(receiver.needs_anchor)
         return True
 
-    def _broadcast(self, blob: bytes | None, closing: bool = False) -> bytes | None:
+    def broadcast(self, blob: bytes | None, closing: bool = False) -> bytes | None:
         n = -1 if closing else len(blob) if blob is not None else 0
         size = torch.tensor([n], dtype=torch.int64, device=self.device)
         dist.broadcast(size, self.src, group=self.group)
@@ -149,7 +149,7 @@ class DistChannel:
         dist.broadcast(data, self.src, group=self.group)
         return blob if blob is not None else data.cpu().numpy().tobytes()
 
-    def _anyone_needs_anchor(self, mine: bool) -> bool:
+    def anyone_needs_anchor(self, mine: bool) -> bool:
         flag = torch.tensor([int(mine)], dtype=torch.int64, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
