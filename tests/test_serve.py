@@ -167,3 +167,23 @@ def test_train_with_a_served_process_over_torch_distributed(tmp_path, model_dir)
     assert served == {name: checksum(t) for name, t in trained.items()}
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(0 < r["sync/elements_frac"] < 1 for r in records)  # fp32: all but untouched embedding rows change
+
+
+def test_an_engine_failure_fails_the_requests_not_the_server(served, monkeypatch):
+    """A step that raises fails the requests in flight with the error; the server keeps serving."""
+    trainer = tiny_llama(seed=0)
+    assert call(served, "/v1/weights", encode(anchor_patch(dict(trainer.named_parameters()), 0)))[0] == 200
+    real_step = Engine.step
+    calls = {"n": 0}
+
+    def flaky(self):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected")
+        return real_step(self)
+
+    monkeypatch.setattr(Engine, "step", flaky)
+    status, body = call(served, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 6})
+    assert status == 400 and "injected" in body["error"]
+    status, body = call(served, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 6, "stop_token_ids": []})
+    assert status == 200 and len(body["choices"][0]["token_ids"]) == 6

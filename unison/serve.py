@@ -105,18 +105,30 @@ class GenerationServer:
 
     def _loop(self) -> None:
         while not self.stopped.is_set():
-            self._apply_updates()
-            self._admit()
-            if self.engine.num_unfinished == 0:
-                self.stopped.wait(0.005)
+            try:
+                self._iterate()
+            except Exception as e:  # never leave HTTP threads waiting on a dead engine thread
+                log.exception("engine step failed; failing the requests in flight")
+                for future, _, _ in self.pending.values():
+                    future.set_exception(RuntimeError(f"the engine failed: {type(e).__name__}: {e}"))
+                self.pending.clear()
+                self.engine.abort_all()  # their completions come out of the next step and are dropped
+
+    def _iterate(self) -> None:
+        self._apply_updates()
+        self._admit()
+        if self.engine.num_unfinished == 0:
+            self.stopped.wait(0.005)
+            return
+        for completion in self.engine.step():
+            group = completion.request_id.rsplit("-", 1)[0]
+            if group not in self.pending:  # aborted after a failure: its request was already answered
                 continue
-            for completion in self.engine.step():
-                group = completion.request_id.rsplit("-", 1)[0]
-                future, done, expected = self.pending[group]
-                done.append(completion)
-                if len(done) == expected:
-                    del self.pending[group]
-                    future.set_result(sorted(done, key=lambda c: int(c.request_id.rsplit("-", 1)[1])))
+            future, done, expected = self.pending[group]
+            done.append(completion)
+            if len(done) == expected:
+                del self.pending[group]
+                future.set_result(sorted(done, key=lambda c: int(c.request_id.rsplit("-", 1)[1])))
 
     def _apply_updates(self) -> None:
         changed = False

@@ -147,6 +147,10 @@ class Engine:
         self._done.append(self._complete(req, "abort"))
         return True
 
+    def abort_all(self) -> int:
+        """Abort every request; returns how many."""
+        return sum(self.abort(request_id) for request_id in list(self._requests))
+
     @property
     def num_unfinished(self) -> int:
         return len(self._requests)
