@@ -117,7 +117,7 @@ class MasterAdamW:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 self.params[name] = p
-        self.state = {name: self._new_state(p) for name, p in self.params.items()}
+        self.state = {name: self._new_state(name, p) for name, p in self.params.items()}
         self.step_count = 0
         self.last_lr: float | None = None
         self.changed_masks: dict[str, torch.Tensor] = {}
@@ -148,7 +148,7 @@ class MasterAdamW:
         return StepStats(step=self.step_count, lr=lr, grad_norm=grad_norm,
                          changed_fraction=self.changed_fraction, num_changed=num_changed)
 
-    def _new_state(self, param: torch.nn.Parameter) -> _AdamState:
+    def _new_state(self, name: str, param: torch.nn.Parameter) -> _AdamState | None:
         return _AdamState(master=param.detach().to(torch.float32, copy=True),
                           exp_avg=torch.zeros_like(param, dtype=torch.float32),
                           exp_avg_sq=torch.zeros_like(param, dtype=torch.float32))

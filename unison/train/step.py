@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..dist.data_parallel import all_reduce_grads, global_sum
 from ..engine.attention import ATTN_NAME, NO_MASK
 from ..engine.lm_head import decoder_of
 from ..rollout.sample import Sample
@@ -18,15 +19,19 @@ from .packing import pack_samples
 
 def train_step(model: torch.nn.Module, optimizer: MasterAdamW, samples: list[Sample], loss_cfg: LossConfig,
                temperature: float, max_tokens_per_row: int, pad_id: int, logprob_chunk: int,
-               activation_checkpointing: bool = False) -> dict[str, float]:
+               activation_checkpointing: bool = False, dp_group=None) -> dict[str, float]:
     """Forward and backward over every packed row (one micro-batch each), then one optimizer step.
 
     The loss is normalised by the completion tokens of the whole step, so micro-batching does not change the
-    update. The engine is paused simply by not being stepped meanwhile.
+    update. The engine is paused simply by not being stepped meanwhile. With ``dp_group`` (data parallel) each
+    replica trains its own samples: the normalisation counts every replica's tokens and the gradients are summed
+    across replicas once, before the optimizer step, so N replicas make the update one process would make on
+    all their samples.
     """
     device = next(model.parameters()).device
     rows = pack_samples(samples, max_tokens_per_row, pad_id)
-    num_loss_tokens = sum(len(s.completion_ids) for s in samples)
+    local_tokens = sum(len(s.completion_ids) for s in samples)
+    num_loss_tokens = int(global_sum(local_tokens, dp_group, device)) if dp_group is not None else local_tokens
     acc = MetricAccumulator()
     total_loss = 0.0
     with checkpointed_layers(model, activation_checkpointing):
@@ -39,13 +44,15 @@ def train_step(model: torch.nn.Module, optimizer: MasterAdamW, samples: list[Sam
             loss.backward()
             total_loss += loss.item()
             acc.add(metrics)
+    if dp_group is not None:
+        all_reduce_grads([p for p in model.parameters() if p.requires_grad], dp_group)
     stats = optimizer.step()
     optimizer.zero_grad()
     out = acc.reduce()
     out.pop("tokens")
     out.update({"loss": total_loss, "optim/lr": stats.lr, "optim/grad_norm": stats.grad_norm,
                 "optim/changed_frac": stats.changed_fraction, "train/rows": float(len(rows)),
-                "train/loss_tokens": float(num_loss_tokens),
+                "train/loss_tokens": float(local_tokens),
                 "train/tokens": float(sum(s.num_tokens for s in samples))})
     return out
 

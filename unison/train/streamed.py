@@ -40,7 +40,7 @@ class HostAdamW(MasterAdamW):
             self._registered = True
         super().__init__(named, cfg, total_steps)
 
-    def _new_state(self, param: torch.nn.Parameter) -> _AdamState:
+    def _new_state(self, name: str, param: torch.nn.Parameter) -> _AdamState:
         def take() -> torch.Tensor:
             out = self._arena[self._cursor:self._cursor + param.numel()].view(param.shape)
             self._cursor += param.numel()

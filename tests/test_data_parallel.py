@@ -1,0 +1,60 @@
+"""Data parallel over gloo: two replicas make the update one process makes on the same global batch, and the
+sharded optimizer gives the same parameters as the replicated one."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+from conftest import tiny_llama
+from dp_peer import STEPS, step_samples
+
+from unison.dist.data_parallel import assign_owners
+from unison.train.loss import LossConfig
+from unison.train.optimizer import MasterAdamW, OptimConfig
+from unison.train.step import train_step
+
+PEER = os.path.join(os.path.dirname(__file__), "dp_peer.py")
+
+
+def test_two_replicas_equal_one_process(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, PEER, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}) for r in range(2)]
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+    model = tiny_llama()  # one process, the whole global batch
+    opt = MasterAdamW(model.named_parameters(), OptimConfig(lr=1e-3, weight_decay=0.01, max_grad_norm=1.0), STEPS)
+    norms = [train_step(model, opt, step_samples(step), LossConfig(), 1.0, 64, 0, 16)["optim/grad_norm"]
+             for step in range(STEPS)]
+    single = dict(model.named_parameters())
+    assert min(norms) > 0  # the loss really trains (no token dropped by the importance-sampling bounds)
+    for r in ranks:  # the summed gradient is the one-process gradient, scale included (AdamW would hide a scale)
+        assert r["replicated"]["grad_norms"] == r["sharded"]["grad_norms"]
+        assert all(abs(a - b) <= 1e-5 * b for a, b in zip(r["replicated"]["grad_norms"], norms, strict=True))
+    start = dict(tiny_llama().named_parameters())
+    for name, p in single.items():
+        for r in ranks:
+            # The replicas agree exactly; with one process, up to fp32 summation order.
+            assert torch.equal(r["replicated"]["params"][name], ranks[0]["replicated"]["params"][name]), name
+            torch.testing.assert_close(r["replicated"]["params"][name], p.detach(), rtol=1e-5, atol=1e-6)
+            # Sharding the optimizer state changes nothing, bit for bit.
+            assert torch.equal(r["sharded"]["params"][name], r["replicated"]["params"][name]), name
+    assert any(not torch.equal(p.detach(), start[n]) for n, p in single.items())  # the steps did move them
+
+
+def test_owners_balance_the_elements():
+    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate([100, 90, 50, 40, 30, 10, 5])]
+    owners = assign_owners(params, 3)
+    load = [sum(p.numel() for n, p in params if owners[n] == r) for r in range(3)]
+    assert sorted(owners.values()) != [0] * 7 and max(load) - min(load) <= 30

@@ -1,0 +1,1 @@
+"""Scaling out on PyTorch's own distributed runtime (torchrun, torch.distributed)."""

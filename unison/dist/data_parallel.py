@@ -1,0 +1,86 @@
+"""Data parallelism: gradients summed across replicas once per optimizer step, and the optimizer state sharded.
+
+Each replica trains on its own samples with the loss normalised by the trained tokens of all replicas
+(``global_sum``), so after ``all_reduce_grads`` every replica holds the gradient one process would compute on
+all the samples. ``ShardedAdamW`` then keeps fp32 masters and moments only for the parameters a replica owns
+(about 1/N of them, assigned by size), steps those, and broadcasts their new values from the owner; the other
+replicas derive their changed masks exactly by comparing what arrives with what they hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from ..train.optimizer import _BITS, MasterAdamW, OptimConfig, _AdamState
+
+
+def global_sum(value: float, group=None, device: torch.device | str = "cpu") -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return float(t.item())
+
+
+def all_reduce_grads(params: list[torch.nn.Parameter], group=None) -> None:
+    """Sum every parameter's gradient across the group, one flat buffer per dtype (a few large collectives
+    instead of one per tensor). Every replica must hold gradients for the same parameters."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def assign_owners(named: list[tuple[str, torch.nn.Parameter]], world: int) -> dict[str, int]:
+    """Largest parameters first, each to the least-loaded rank: every rank gets about 1/world of the elements."""
+    load = [0] * world
+    owners = {}
+    for name, p in sorted(named, key=lambda item: -item[1].numel()):
+        rank = min(range(world), key=lambda r: load[r])
+        owners[name] = rank
+        load[rank] += p.numel()
+    return owners
+
+
+class ShardedAdamW(MasterAdamW):
+    """``MasterAdamW`` with its state split across the replicas of ``group`` (ZeRO stage 1)."""
+
+    def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: OptimConfig, total_steps: int,
+                 group=None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        named = list(named_params)
+        seen, unique = set(), []
+        for name, p in named:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                unique.append((name, p))
+        self.owner = assign_owners(unique, dist.get_world_size(group))
+        super().__init__(named, cfg, total_steps)
+
+    def _new_state(self, name: str, param: torch.nn.Parameter) -> _AdamState | None:
+        return super()._new_state(name, param) if self.owner[name] == self.rank else None
+
+    def _update_all(self, stepped: dict[str, torch.nn.Parameter], grad_scale: float, lr: float
+                    ) -> dict[str, torch.Tensor]:
+        masks = {}
+        for name, p in stepped.items():  # the same order on every replica: the collectives match
+            owner = dist.get_global_rank(self.group, self.owner[name]) if self.group is not None else self.owner[name]
+            if self.owner[name] == self.rank:
+                masks[name] = self._update(name, p, grad_scale, lr)
+                dist.broadcast(p.data, owner, group=self.group)
+            else:
+                new = torch.empty_like(p.data)
+                dist.broadcast(new, owner, group=self.group)
+                bits = _BITS[p.element_size()]
+                masks[name] = new.view(bits) != p.data.view(bits)
+                p.data.copy_(new)
+        return masks
