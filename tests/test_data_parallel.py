@@ -3,10 +3,12 @@ sharded optimizer gives the same parameters as the replicated one."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
+import time
 
 import torch
 from conftest import tiny_llama
@@ -58,3 +60,44 @@ def test_owners_balance_the_elements():
     owners = assign_owners(params, 3)
     load = [sum(p.numel() for n, p in params if owners[n] == r) for r in range(3)]
     assert sorted(owners.values()) != [0] * 7 and max(load) - min(load) <= 30
+
+
+def launch(args: list[str], port: int, rank: int | None = None) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    if rank is not None:
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_two_replicas_train(model_dir, tmp_path):
+    """`torchrun --nproc-per-node 2`: each replica rolls out its share, rank 0 writes metrics and the checkpoint,
+    and the replicas end with identical parameters (checked inside the run)."""
+    out = tmp_path / "run"
+    port = free_port()
+    proc = launch([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
+                   os.path.join(os.path.dirname(__file__), "train_peer.py"), model_dir, str(out)], port)
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, log[-4000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["train/loss_tokens"] > 0 and r["optim/changed_frac"] > 0 for r in records)
+    assert (out / "checkpoint" / "model.safetensors").exists()
+
+
+def test_a_dead_replica_fails_the_others_instead_of_hanging(model_dir, tmp_path):
+    port = free_port()
+    peer = os.path.join(os.path.dirname(__file__), "train_peer.py")
+    args = [sys.executable, peer, model_dir, str(tmp_path / "run"), "--max_steps=500", "--dist.timeout_s=30"]
+    procs = [launch(args, port, rank) for rank in range(2)]
+    time.sleep(15)  # both are training by now
+    procs[1].kill()
+    start = time.time()
+    log, _ = procs[0].communicate(timeout=120)
+    assert procs[0].returncode != 0 and time.time() - start < 90
+    assert "Error" in log  # the surviving replica says why it stopped

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..dist.runtime import DistConfig
 from ..engine import EngineConfig
 from ..rollout.loop import RolloutConfig
 from ..sync.publisher import SyncConfig
@@ -63,6 +64,7 @@ class TrainConfig:
     step: StepConfig = field(default_factory=StepConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self):
         if self.max_steps < 1:

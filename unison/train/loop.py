@@ -10,9 +10,12 @@ import time
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from ..config import dump_config
+from ..dist.data_parallel import ShardedAdamW
+from ..dist.runtime import Replica, check_replicas_agree, init_replicas, reduce_metrics
 from ..engine import Engine
 from ..metrics import MetricsWriter
 from ..models import load_policy, stop_token_ids
@@ -36,21 +39,30 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     reward functions from Python.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    dump_config(cfg, os.path.join(cfg.output_dir, "config.yaml"))
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-
     device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    replica = init_replicas(cfg.dist, torch.device(device).type)
+    main = replica is None or replica.is_main
+    if replica is not None:
+        device = str(replica.device)
+        cfg = _per_replica(cfg, replica)
+    if main:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        dump_config(cfg, os.path.join(cfg.output_dir, "config.yaml"))
+    seed = cfg.seed + (replica.rank if replica is not None else 0)  # each replica rolls out its own prompts
+    random.seed(seed)
+    torch.manual_seed(cfg.seed)  # the same initial state everywhere
     dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     model, tokenizer = load_policy(cfg.model.name_or_path, dtype=getattr(torch, dtype), device=device)
     check_packed_attention(model)
     task = task or load_task(cfg.data)
     # The run's seed drives sampling too, unless the engine section sets its own.
-    engine_cfg = cfg.engine if cfg.engine.seed is not None else dataclasses.replace(cfg.engine, seed=cfg.seed)
+    engine_cfg = cfg.engine if cfg.engine.seed is not None else dataclasses.replace(cfg.engine, seed=seed)
     if engine_cfg.num_blocks == 0:
         engine_cfg = dataclasses.replace(engine_cfg, num_blocks=_kv_blocks(cfg, tokenizer, task))
-    optimizer = make_optimizer(model.named_parameters(), cfg.optim, total_steps=cfg.max_steps)
+    if replica is None:
+        optimizer = make_optimizer(model.named_parameters(), cfg.optim, total_steps=cfg.max_steps)
+    else:
+        optimizer = ShardedAdamW(model.named_parameters(), cfg.optim, cfg.max_steps, replica.group)
     publisher = None
     if cfg.sync.mode == "colocated":
         engine = Engine(model, engine_cfg)
@@ -64,15 +76,15 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
                        cfg.step.logprob_chunk, cfg.memory.activation_checkpointing)
     log.info("\n%s", plan.table())
     stop_ids = stop_token_ids(tokenizer, model)
-    rollout = RolloutLoop(engine, tokenizer, task.rows, task.reward_fns, cfg.rollout, stop_ids, seed=cfg.seed,
+    rollout = RolloutLoop(engine, tokenizer, task.rows, task.reward_fns, cfg.rollout, stop_ids, seed=seed,
                           system_prompt=task.system_prompt)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    writer = MetricsWriter(cfg.output_dir, tensorboard=cfg.tensorboard)
+    writer = MetricsWriter(cfg.output_dir, tensorboard=cfg.tensorboard) if main else None
     log.info("training %s on %s (%s, %s) for %d steps; %d prompts", cfg.model.name_or_path, task.name,
              device, dtype, cfg.max_steps, len(task.rows))
 
     metrics: dict[str, float] = {}
-    bar = tqdm(range(1, cfg.max_steps + 1), desc="unison train", dynamic_ncols=True)
+    bar = tqdm(range(1, cfg.max_steps + 1), desc="unison train", dynamic_ncols=True, disable=not main)
     for step in bar:
         t0 = time.perf_counter()
         try:
@@ -81,7 +93,8 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
             with engine.lend() if lend else nullcontext(0) as lent:
                 metrics.update(train_step(model, optimizer, samples, cfg.loss, cfg.rollout.temperature,
                                           cfg.step.max_tokens_per_row, pad_id, cfg.step.logprob_chunk,
-                                          cfg.memory.activation_checkpointing))
+                                          cfg.memory.activation_checkpointing,
+                                          replica.group if replica is not None else None))
         except torch.OutOfMemoryError as e:
             raise explain_oom(e, plan, f"step {step}") from e
         if publisher is None:
@@ -96,6 +109,10 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
             torch.cuda.reset_peak_memory_stats(model.device)
         metrics.update({"time/step_s": t2 - t0, "time/rollout_s": t1 - t0, "time/train_s": t2 - t1,
                         "train/tokens_per_s": metrics["train/tokens"] / (t2 - t1)})
+        if replica is not None:
+            metrics = reduce_metrics(metrics, replica)
+        if not main:
+            continue
         writer.log(step, metrics)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s_step=f"{metrics['time/step_s']:.1f}",
                         gen_tok_s=f"{metrics['rollout/tokens_per_s']:.0f}")
@@ -104,11 +121,26 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
 
     if publisher is not None:
         publisher.close()
-    save_hf_checkpoint(model, tokenizer, os.path.join(cfg.output_dir, "checkpoint"))
-    writer.plot()
-    writer.close()
-    log.info("done: %s", os.path.abspath(cfg.output_dir))
+    if replica is not None:
+        check_replicas_agree(model, replica)
+        dist.destroy_process_group()
+    if main:
+        save_hf_checkpoint(model, tokenizer, os.path.join(cfg.output_dir, "checkpoint"))
+        writer.plot()
+        writer.close()
+        log.info("done: %s", os.path.abspath(cfg.output_dir))
     return metrics
+
+
+def _per_replica(cfg: TrainConfig, replica: Replica) -> TrainConfig:
+    """Each replica produces its share of the step's samples."""
+    share, group = cfg.rollout.samples_per_step // replica.world, cfg.rollout.group_size
+    if share * replica.world != cfg.rollout.samples_per_step or share % group:
+        raise ValueError(f"rollout.samples_per_step={cfg.rollout.samples_per_step} must split into {replica.world} "
+                         f"replicas of whole groups of {group}")
+    if cfg.optim.placement == "host" or cfg.sync.mode != "colocated":
+        raise ValueError("data-parallel replicas run colocated with optim.placement=gpu for now")
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, samples_per_step=share))
 
 
 def _kv_blocks(cfg: TrainConfig, tokenizer, task: Task) -> int:
