@@ -80,14 +80,24 @@ def test_torchrun_two_replicas_train(model_dir, tmp_path):
     and the replicas end with identical parameters (checked inside the run)."""
     out = tmp_path / "run"
     port = free_port()
+    peer = os.path.join(os.path.dirname(__file__), "train_peer.py")
     proc = launch([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
-                   os.path.join(os.path.dirname(__file__), "train_peer.py"), model_dir, str(out)], port)
+                   peer, model_dir, str(out), "--save_every=2"], port)
     log, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, log[-4000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["train/loss_tokens"] > 0 and r["optim/changed_frac"] > 0 for r in records)
     assert (out / "checkpoint" / "model.safetensors").exists()
+    # Each replica saved its optimizer shard; a resumed job picks them up and finishes the run.
+    ckpt = out / "checkpoint-2"
+    assert {p.name for p in ckpt.glob("trainer_state-rank*.pt")} == {"trainer_state-rank0.pt", "trainer_state-rank1.pt"}
+    resumed = tmp_path / "resumed"
+    proc = launch([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+                   peer, model_dir, str(resumed), f"--resume={ckpt}"], port)
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, log[-4000:]
+    assert [json.loads(line)["step"] for line in (resumed / "metrics.jsonl").read_text().splitlines()] == [3]
 
 
 def test_a_dead_replica_fails_the_others_instead_of_hanging(model_dir, tmp_path):

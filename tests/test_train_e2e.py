@@ -114,3 +114,36 @@ def test_lending_host_placement_and_checkpointing_change_nothing(model_dir, tmp_
         for key, tensor in base_weights.items():
             torch.testing.assert_close(weights[key], tensor, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
     assert all(r["memory/kv_lent_gib"] == 0 for r in results["no_lending"][0])
+
+
+def test_resume_continues_from_the_saved_state(model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    first = tmp_path / "first"
+    common = ("--optim.lr=1e-3", "--optim.schedule=cosine", "--max_steps=4")
+    train(run_cfg(model_dir, first, *common, "--save_every=2"), task())
+    ckpt = first / "checkpoint-2"
+    saved = torch.load(ckpt / "trainer_state-rank0.pt", weights_only=False)
+    assert saved["step"] == 2 and saved["optimizer"]["step_count"] == 2
+
+    # Resuming at the saved step itself runs nothing: the state must come back out exactly as it went in.
+    same = tmp_path / "same"
+    train(run_cfg(model_dir, same, "--optim.lr=1e-3", "--optim.schedule=cosine", "--max_steps=2",
+                  f"--resume={ckpt}"), task())
+    again = torch.load(same / "checkpoint" / "trainer_state-rank0.pt", weights_only=False)
+    for name, tensors in saved["optimizer"]["state"].items():
+        assert all(torch.equal(a, b) for a, b in zip(tensors, again["optimizer"]["state"][name], strict=True))
+    assert again["rollout"]["order"] == saved["rollout"]["order"]
+    weights, saved_weights = load_file(str(same / "checkpoint" / "model.safetensors")), \
+        load_file(str(ckpt / "model.safetensors"))
+    assert all(torch.equal(weights[k], v) for k, v in saved_weights.items())
+
+    # Resuming to the end continues the step count and the lr schedule where they were.
+    resumed = tmp_path / "resumed"
+    train(run_cfg(model_dir, resumed, *common, f"--resume={ckpt}"), task())
+    records = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    original = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [3, 4]
+    assert [r["optim/lr"] for r in records] == [r["optim/lr"] for r in original[2:]]
+    with pytest.raises(FileNotFoundError, match="trainer state"):
+        train(run_cfg(model_dir, tmp_path / "bad", *common, f"--resume={model_dir}"), task())

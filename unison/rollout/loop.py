@@ -107,6 +107,18 @@ class RolloutLoop:
         batch, self.ready = self.ready[:self.cfg.samples_per_step], self.ready[self.cfg.samples_per_step:]
         return batch, self._metrics(batch, trainer_version, time.perf_counter() - t0)
 
+    def state_dict(self) -> dict:
+        """Data order and sampling seeds (for resuming); groups in flight are not saved: they are rolled out
+        again after a resume."""
+        return {"rng": self.rng.getstate(), "seed_rng": self.seed_rng.getstate(), "order": list(self.order),
+                "epoch": self.epoch, "counts": dict(self.counts)}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.rng.setstate(saved["rng"])
+        self.seed_rng.setstate(saved["seed_rng"])
+        self.order, self.epoch = list(saved["order"]), saved["epoch"]
+        self.counts.update(saved["counts"])
+
     @property
     def in_flight(self) -> int:
         return sum(group.pending for group in self.groups.values())

@@ -76,3 +76,31 @@ def _replace_dir(src: str, dst: str) -> None:
     os.rename(dst, os.path.join(old, "ckpt"))
     os.rename(src, dst)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def save_trainer_state(path: str, rank: int, state: dict) -> str:
+    """Write one rank's trainer state (optimizer state, step, data order, RNGs) as ``trainer_state-rank{rank}.pt``
+    in the checkpoint directory ``path``, atomically (a temporary file renamed into place)."""
+    target = os.path.join(path, f"trainer_state-rank{rank}.pt")
+    fd, tmp = tempfile.mkstemp(prefix="tmp_trainer_state_", suffix=".pt", dir=path)
+    os.close(fd)
+    try:
+        import torch
+
+        torch.save(state, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return target
+
+
+def load_trainer_state(path: str, rank: int) -> dict:
+    import torch
+
+    target = os.path.join(path, f"trainer_state-rank{rank}.pt")
+    if not os.path.exists(target):
+        raise FileNotFoundError(f"{path} has no trainer state for rank {rank} ({os.path.basename(target)}): resume "
+                                "from a checkpoint `unison train` wrote, with the same number of replicas")
+    return torch.load(target, map_location="cpu", weights_only=False)

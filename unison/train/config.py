@@ -52,6 +52,9 @@ class TrainConfig:
     save_every: int = 0
     """Also save a checkpoint every this many steps (0: only at the end)."""
     tensorboard: bool = True
+    resume: str = ""
+    """A checkpoint directory this command wrote (``checkpoint-N``): continue from its weights, optimizer state,
+    step, data order and seeds, up to max_steps. Rollouts that were in flight are generated again."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     # CPU-sized default: 4 prompts x 8 samples per step, completions up to 64 tokens (bench/task_probe.py).

@@ -23,7 +23,7 @@ from ..rollout.loop import RolloutLoop, encode_prompt
 from ..rollout.remote import RemoteEngine
 from ..sync.publisher import WeightPublisher
 from ..tasks import Task, load_task
-from .checkpoint import save_hf_checkpoint
+from .checkpoint import load_trainer_state, save_hf_checkpoint, save_trainer_state
 from .config import TrainConfig
 from .memory import explain_oom, kv_blocks_for, plan_memory
 from .optimizer import make_optimizer
@@ -52,7 +52,7 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     random.seed(seed)
     torch.manual_seed(cfg.seed)  # the same initial state everywhere
     dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    model, tokenizer = load_policy(cfg.model.name_or_path, dtype=getattr(torch, dtype), device=device)
+    model, tokenizer = load_policy(cfg.resume or cfg.model.name_or_path, dtype=getattr(torch, dtype), device=device)
     check_packed_attention(model)
     task = task or load_task(cfg.data)
     # The run's seed drives sampling too, unless the engine section sets its own.
@@ -78,13 +78,22 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     stop_ids = stop_token_ids(tokenizer, model)
     rollout = RolloutLoop(engine, tokenizer, task.rows, task.reward_fns, cfg.rollout, stop_ids, seed=seed,
                           system_prompt=task.system_prompt)
+    start = 1
+    if cfg.resume:
+        saved = load_trainer_state(cfg.resume, replica.rank if replica is not None else 0)
+        optimizer.load_state_dict(saved["optimizer"])
+        rollout.load_state_dict(saved["rollout"])
+        random.setstate(saved["python_rng"])
+        torch.set_rng_state(saved["torch_rng"])
+        start = saved["step"] + 1
+        log.info("resuming from %s at step %d", cfg.resume, start)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     writer = MetricsWriter(cfg.output_dir, tensorboard=cfg.tensorboard) if main else None
     log.info("training %s on %s (%s, %s) for %d steps; %d prompts", cfg.model.name_or_path, task.name,
              device, dtype, cfg.max_steps, len(task.rows))
 
     metrics: dict[str, float] = {}
-    bar = tqdm(range(1, cfg.max_steps + 1), desc="unison train", dynamic_ncols=True, disable=not main)
+    bar = tqdm(range(start, cfg.max_steps + 1), desc="unison train", dynamic_ncols=True, disable=not main)
     for step in bar:
         t0 = time.perf_counter()
         try:
@@ -111,25 +120,37 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
                         "train/tokens_per_s": metrics["train/tokens"] / (t2 - t1)})
         if replica is not None:
             metrics = reduce_metrics(metrics, replica)
-        if not main:
-            continue
-        writer.log(step, metrics)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s_step=f"{metrics['time/step_s']:.1f}",
-                        gen_tok_s=f"{metrics['rollout/tokens_per_s']:.0f}")
+        if main:
+            writer.log(step, metrics)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s_step=f"{metrics['time/step_s']:.1f}",
+                            gen_tok_s=f"{metrics['rollout/tokens_per_s']:.0f}")
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
-            save_hf_checkpoint(model, tokenizer, os.path.join(cfg.output_dir, f"checkpoint-{step}"))
+            _save(os.path.join(cfg.output_dir, f"checkpoint-{step}"), step, model, tokenizer, optimizer, rollout,
+                  replica)
 
     if publisher is not None:
         publisher.close()
     if replica is not None:
         check_replicas_agree(model, replica)
+    _save(os.path.join(cfg.output_dir, "checkpoint"), cfg.max_steps, model, tokenizer, optimizer, rollout, replica)
+    if replica is not None:
         dist.destroy_process_group()
     if main:
-        save_hf_checkpoint(model, tokenizer, os.path.join(cfg.output_dir, "checkpoint"))
         writer.plot()
         writer.close()
         log.info("done: %s", os.path.abspath(cfg.output_dir))
     return metrics
+
+
+def _save(path: str, step: int, model, tokenizer, optimizer, rollout: RolloutLoop, replica: Replica | None) -> None:
+    """The HF checkpoint (rank 0), then every rank's trainer state beside it, for ``resume``."""
+    if replica is None or replica.is_main:
+        save_hf_checkpoint(model, tokenizer, path)
+    if replica is not None:
+        dist.barrier(group=replica.group)  # the directory exists before the other ranks write into it
+    save_trainer_state(path, replica.rank if replica is not None else 0,
+                       {"step": step, "optimizer": optimizer.state_dict(), "rollout": rollout.state_dict(),
+                        "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()})
 
 
 def _per_replica(cfg: TrainConfig, replica: Replica) -> TrainConfig:

@@ -126,6 +126,25 @@ class MasterAdamW:
     def lr_at(self, step: int) -> float:
         return lr_at(step, self.cfg, self.total_steps)
 
+    def state_dict(self) -> dict:
+        """Step count and every fp32 master and moment this optimizer holds (CPU copies)."""
+        return {"step_count": self.step_count,
+                "state": {name: None if s is None else (s.master.cpu(), s.exp_avg.cpu(), s.exp_avg_sq.cpu())
+                          for name, s in self.state.items()}}
+
+    def load_state_dict(self, saved: dict) -> None:
+        if set(saved["state"]) != set(self.state):
+            raise ValueError("the saved optimizer state is for other parameters "
+                             f"({sorted(set(saved['state']) ^ set(self.state))[:3]} differ)")
+        for name, tensors in saved["state"].items():
+            mine = self.state[name]
+            if (tensors is None) != (mine is None):
+                raise ValueError(f"{name}: the saved optimizer state was sharded differently")
+            if mine is not None:
+                for dst, src in zip((mine.master, mine.exp_avg, mine.exp_avg_sq), tensors, strict=True):
+                    dst.copy_(src)
+        self.step_count = saved["step_count"]
+
     @torch.no_grad()
     def step(self) -> StepStats:
         """Clip, step every parameter with a grad, write back; raises on a non-finite gradient norm."""
