@@ -45,11 +45,20 @@ def test_resume_appends_and_torn_line_is_skipped(tmp_path):
         writer.log(1, {"loss": 1.0})
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 2, "lo')  # a run killed mid-write
-    with MetricsWriter(str(tmp_path), tensorboard=False) as writer:
+    with MetricsWriter(str(tmp_path), tensorboard=False, resume=True) as writer:
         writer.log(3, {"loss": 0.5})
     assert not any(name.startswith("events") for name in os.listdir(tmp_path))
     records = read_metrics(str(tmp_path / "metrics.jsonl"))
     assert [(r["step"], r["loss"]) for r in records] == [(1, 1.0), (3, 0.5)]
+
+
+def test_a_new_run_moves_the_old_history_aside(tmp_path):
+    for loss in (1.0, 2.0, 3.0):
+        with MetricsWriter(str(tmp_path), tensorboard=False) as writer:
+            writer.log(1, {"loss": loss})
+    assert [r["loss"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [3.0]  # no mixing of runs
+    assert [r["loss"] for r in read_metrics(str(tmp_path / "metrics.prev-1.jsonl"))] == [1.0]  # nothing lost
+    assert [r["loss"] for r in read_metrics(str(tmp_path / "metrics.prev-2.jsonl"))] == [2.0]
 
 
 def test_bad_metric_names_the_key(tmp_path):

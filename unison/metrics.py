@@ -38,13 +38,19 @@ class Metrics(Protocol):
 class MetricsWriter:
     """Writes ``run_dir/metrics.jsonl`` and, with ``tensorboard=True``, TensorBoard events in ``run_dir``.
 
-    An existing ``metrics.jsonl`` is appended to, so a resumed run keeps one history.
+    With ``resume=True`` an existing ``metrics.jsonl`` is appended to, so a resumed run keeps one history; a new
+    run in a used directory moves the old file aside (``metrics.prev-N.jsonl``) instead of mixing two runs.
     """
 
-    def __init__(self, run_dir: str, tensorboard: bool = True):
+    def __init__(self, run_dir: str, tensorboard: bool = True, resume: bool = False):
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, METRICS_FILE)
+        if not resume and os.path.exists(self.path):
+            n = 1
+            while os.path.exists(os.path.join(run_dir, f"metrics.prev-{n}.jsonl")):
+                n += 1
+            os.replace(self.path, os.path.join(run_dir, f"metrics.prev-{n}.jsonl"))
         self._file = open(self.path, "a", buffering=1)  # line-buffered: a crash loses at most one line
         if _ends_mid_line(self.path):  # a torn last line from a killed run must not swallow the next record
             self._file.write("\n")

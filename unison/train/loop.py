@@ -88,7 +88,7 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
         start = saved["step"] + 1
         log.info("resuming from %s at step %d", cfg.resume, start)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    writer = MetricsWriter(cfg.output_dir, tensorboard=cfg.tensorboard) if main else None
+    writer = MetricsWriter(cfg.output_dir, tensorboard=cfg.tensorboard, resume=bool(cfg.resume)) if main else None
     log.info("training %s on %s (%s, %s) for %d steps; %d prompts", cfg.model.name_or_path, task.name,
              device, dtype, cfg.max_steps, len(task.rows))
 
