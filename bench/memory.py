@@ -31,6 +31,17 @@ from unison.train.step import train_step
 PROMPTS, GROUP, PROMPT_TOKENS, NEW_TOKENS = 8, 8, 64, 512
 
 
+def scored_samples(done: list, rewards: list[float]) -> list[Sample]:
+    """Completions of consecutive groups of GROUP (``engine.generate`` order) with their rewards and advantages."""
+    samples = []
+    for k in range(0, len(done), GROUP):
+        r = rewards[k:k + GROUP]
+        samples += [Sample(tuple(c.prompt_ids), tuple(c.token_ids), tuple(c.logprobs), tuple(c.weight_versions),
+                           reward, adv) for c, reward, adv in zip(done[k:k + GROUP], r, group_advantages(r),
+                                                                  strict=True)]
+    return samples
+
+
 def grpo_steps(shape: str, placement: str, lend: bool, steps: int, checkpointing: bool, row_tokens: int) -> dict:
     model = build(shape, "cuda", torch.bfloat16, "unison")
     opt = make_optimizer(model.named_parameters(), OptimConfig(lr=1e-6, placement=placement), total_steps=steps)
@@ -48,13 +59,7 @@ def grpo_steps(shape: str, placement: str, lend: bool, steps: int, checkpointing
         t0 = time.perf_counter()
         done = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, n=GROUP, seed=step,
                                                        stop_token_ids=()))
-        rewards = [rng.random() for _ in done]
-        samples = []
-        for k in range(PROMPTS):
-            group = done[k * GROUP:(k + 1) * GROUP]
-            adv = group_advantages(rewards[k * GROUP:(k + 1) * GROUP])
-            samples += [Sample(tuple(c.prompt_ids), tuple(c.token_ids), tuple(c.logprobs), tuple(c.weight_versions),
-                               r, a) for c, r, a in zip(group, rewards[k * GROUP:(k + 1) * GROUP], adv, strict=True)]
+        samples = scored_samples(done, [rng.random() for _ in done])
         t1 = time.perf_counter()
         # Device memory = PyTorch's reserved memory + the KV pool (CUDA virtual memory, outside PyTorch's
         # allocator) while it is mapped: the pool is unmapped during a lent step.

@@ -20,12 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from engine import SHAPES, build
-from memory import GROUP, PROMPT_TOKENS
+from memory import GROUP, PROMPT_TOKENS, scored_samples
 
 from unison.dist.data_parallel import ShardedAdamW
 from unison.engine import Engine, EngineConfig, SamplingParams
-from unison.rollout.advantage import group_advantages
-from unison.rollout.sample import Sample
 from unison.train.loss import LossConfig
 from unison.train.optimizer import MasterAdamW, OptimConfig
 from unison.train.step import train_step
@@ -55,14 +53,7 @@ def run(rank: int, world: int, args) -> dict:
         t0 = time.perf_counter()
         done = engine.generate(prompts, SamplingParams(max_new_tokens=args.new, n=GROUP, seed=step,
                                                        stop_token_ids=()))
-        rewards = torch.rand(len(done), generator=g).tolist()
-        samples = []
-        for k in range(prompts_here):
-            r = rewards[k * GROUP:(k + 1) * GROUP]
-            samples += [Sample(tuple(c.prompt_ids), tuple(c.token_ids), tuple(c.logprobs), tuple(c.weight_versions),
-                               reward, adv)
-                        for c, reward, adv in zip(done[k * GROUP:(k + 1) * GROUP], r, group_advantages(r),
-                                                  strict=True)]
+        samples = scored_samples(done, torch.rand(len(done), generator=g).tolist())
         train_step(model, opt, samples, LossConfig(), 1.0, 8192, 0, 1024, dp_group=group)
         engine.on_weights_updated()
         if cuda:

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from engine import SHAPES, build
+from memory import GROUP, scored_samples
 
 from unison.engine import Engine, EngineConfig, SamplingParams
-from unison.rollout.advantage import group_advantages
 from unison.rollout.sample import Sample
 from unison.sync import Receiver, anchor_patch, apply, decode, encode, sparse_patch
 from unison.sync.masks import adamw_inversion_mask
@@ -35,21 +35,14 @@ from unison.train.loss import LossConfig
 from unison.train.optimizer import OptimConfig, make_optimizer
 from unison.train.step import train_step
 
-PROMPTS, GROUP, PROMPT_TOKENS, NEW_TOKENS = 8, 8, 64, 128
+PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 8, 64, 128
 
 
 def grpo_samples(engine: Engine, prompts: list[list[int]], step: int) -> list[Sample]:
     done = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, n=GROUP, seed=step,
                                                    stop_token_ids=()))
     g = torch.Generator().manual_seed(step)
-    rewards = torch.rand(len(done), generator=g).tolist()
-    samples = []
-    for k in range(len(prompts)):
-        group, r = done[k * GROUP:(k + 1) * GROUP], rewards[k * GROUP:(k + 1) * GROUP]
-        for c, reward, adv in zip(group, r, group_advantages(r), strict=True):
-            samples.append(Sample(tuple(c.prompt_ids), tuple(c.token_ids), tuple(c.logprobs),
-                                  tuple(c.weight_versions), reward, adv))
-    return samples
+    return scored_samples(done, torch.rand(len(done), generator=g).tolist())
 
 
 def sparse_blob(params, masks, step: int) -> bytes:

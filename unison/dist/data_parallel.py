@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from ..train.optimizer import _BITS, MasterAdamW, OptimConfig, _AdamState
+from ..train.optimizer import MasterAdamW, OptimConfig, _AdamState, changed_bits
 
 
 def global_sum(value: float, group=None, device: torch.device | str = "cpu") -> float:
@@ -80,7 +80,6 @@ class ShardedAdamW(MasterAdamW):
             else:
                 new = torch.empty_like(p.data)
                 dist.broadcast(new, owner, group=self.group)
-                bits = _BITS[p.element_size()]
-                masks[name] = new.view(bits) != p.data.view(bits)
+                masks[name] = changed_bits(new, p.data)
                 p.data.copy_(new)
         return masks

@@ -61,8 +61,9 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_batch_tokens,
                                    config.max_num_seqs, config.prefix_caching)
         self.backend = backend or self._default_backend(kv_heads)
+        fast = hasattr(self.backend, "decode_state")  # a backend with a static decode step (the Triton one)
         self.runner = None
-        if config.cuda_graphs and hasattr(self.backend, "decode_state"):  # a backend with a static decode step
+        if config.cuda_graphs and fast:
             from .graphs import DecodeRunner
             self.runner = DecodeRunner(self.decoder, self.lm_head_weight, self.pool, self.backend,
                                        config.max_num_seqs, self.max_model_len, scratch_block=config.num_blocks)
@@ -75,7 +76,7 @@ class Engine:
             self.generator.seed()
         # The fused one-pass sampler goes with the Triton backend; it keys its noise by a per-row seed.
         self._fused_sample = None
-        if hasattr(self.backend, "decode_state"):
+        if fast:
             from .triton_sampler import FusedSampler
             self._fused_sample = FusedSampler(self.device, config.max_num_seqs)
         self._seed_rng = np.random.default_rng(config.seed)
@@ -110,11 +111,8 @@ class Engine:
         max_len = min(len(prompt) + params.max_new_tokens, self.max_model_len)
         ids = []
         for i in range(params.n):
-            gen = seed = None
-            if params.seed is not None:
-                seed = hash((params.seed, i)) & (2**52 - 1)
-                gen = torch.Generator(self.device).manual_seed(seed)
-            req = Request(f"{group}-{i}", group, prompt, params, stop, max_len, self._arrivals, gen, seed)
+            seed = hash((params.seed, i)) & (2**52 - 1) if params.seed is not None else None
+            req = Request(f"{group}-{i}", group, prompt, params, stop, max_len, self._arrivals, seed)
             self._arrivals += 1
             self._requests[req.request_id] = req
             self.scheduler.add(req)
@@ -254,7 +252,7 @@ class Engine:
                      for r, d in zip(reqs, drawn, strict=True)]
             return self._fused_sample(logits, temperature, seeds)
         return sample(logits, temperature, [r.params.top_k for r in reqs], [r.params.top_p for r in reqs],
-                      [r.generator for r in reqs], self.generator)
+                      [r.generator_on(self.device) for r in reqs], self.generator)
 
     def profile_phases(self, enable: bool = True) -> dict[str, float]:
         """Diagnostics: with ``enable``, every step synchronises the device after each phase (schedule, forward,

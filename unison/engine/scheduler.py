@@ -22,8 +22,7 @@ from .types import SamplingParams
 
 class Request:
     def __init__(self, request_id: str, group_id: str, prompt: list[int], params: SamplingParams,
-                 stop_ids: frozenset[int], max_len: int, arrival: int, generator: torch.Generator | None,
-                 seed: int | None = None):
+                 stop_ids: frozenset[int], max_len: int, arrival: int, seed: int | None = None):
         self.request_id = request_id
         self.group_id = group_id
         self.prompt = prompt
@@ -31,14 +30,19 @@ class Request:
         self.stop_ids = stop_ids
         self.max_len = max_len  # prompt + completion never exceed this (the context, or max_new_tokens)
         self.arrival = arrival
-        self.generator = generator  # the unfused sampler's noise source of a seeded request
-        self.seed = seed  # the fused sampler's: a seeded request's noise depends only on it and the token index
+        self.seed = seed  # a seeded request's noise depends only on it (and, fused, on the token index)
+        self.generator: torch.Generator | None = None  # the unfused sampler's, made from the seed on first use
         self.output: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.blocks: list[int] = []
         self.num_computed = 0  # tokens whose KV is in the pool
         self.prefix_hashes: list[int] | None = None
+
+    def generator_on(self, device: torch.device) -> torch.Generator | None:
+        if self.seed is not None and self.generator is None:
+            self.generator = torch.Generator(device).manual_seed(self.seed)
+        return self.generator
 
     @property
     def num_tokens(self) -> int:

@@ -30,8 +30,8 @@ def _sample_kernel(Logits, stride_row, Params, Tokens, Logprobs, VOCAB: tl.const
         mask = offs < VOCAB
         x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
         m_new = tl.maximum(m, x)
-        s = s * tl.exp(m - tl.where(m_new == float("-inf"), 0.0, m_new)) + \
-            tl.where(mask, tl.exp(x - tl.where(m_new == float("-inf"), 0.0, m_new)), 0.0)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane that has seen only -inf stays at s = 0
+        s = s * tl.exp(m - shift) + tl.where(mask, tl.exp(x - shift), 0.0)
         m = m_new
         u = tl.rand(seed, offs)
         gumbel = -tl.log(-tl.log(u + 1e-20) + 1e-20)

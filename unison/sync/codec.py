@@ -20,8 +20,9 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from ..train.optimizer import as_bits
+
 FORMAT = "unison-patch-1"
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class PatchError(ValueError):
@@ -50,7 +51,7 @@ def checksum(t: torch.Tensor) -> str:
     """128-bit digest of a tensor's bits, its shape and dtype, computed where the tensor lives (no copy to the
     host): each element's bits are mixed with its position, the mixes summed mod 2**64 in two lanes. Integer sums
     are order-free, so the CPU and the GPU agree exactly. It detects corruption and divergence, not adversaries."""
-    flat = t.detach().reshape(-1).view(_BITS[t.element_size()])
+    flat = as_bits(t.detach().reshape(-1))
     lanes = [0, 0]
     for start in range(0, flat.numel(), _CHUNK):
         bits = flat[start:start + _CHUNK].to(torch.int64)

@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from ..train.optimizer import as_bits
+
 
 def adamw_inversion_mask(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, step: int,
                          lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
@@ -33,9 +35,8 @@ def adamw_inversion_mask(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq:
 
 def _spacing(x: torch.Tensor) -> torch.Tensor:
     """The smaller of the gaps to the two neighbours of each value on its dtype's grid (fp32)."""
-    bits = {2: torch.int16, 4: torch.int32}[x.element_size()]
     magnitude = x.abs()
-    raw = magnitude.view(bits)
+    raw = as_bits(magnitude)
     up = (raw + 1).view(x.dtype).float() - magnitude.float()
     down = torch.where(raw > 0, magnitude.float() - (raw - 1).clamp(min=0).view(x.dtype).float(), up)
     return torch.minimum(up, down)

@@ -57,14 +57,14 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     task = task or load_task(cfg.data)
     # The run's seed drives sampling too, unless the engine section sets its own.
     engine_cfg = cfg.engine if cfg.engine.seed is not None else dataclasses.replace(cfg.engine, seed=seed)
-    if engine_cfg.num_blocks == 0:
-        engine_cfg = dataclasses.replace(engine_cfg, num_blocks=_kv_blocks(cfg, tokenizer, task))
     if replica is None:
         optimizer = make_optimizer(model.named_parameters(), cfg.optim, total_steps=cfg.max_steps)
     else:
         optimizer = ShardedAdamW(model.named_parameters(), cfg.optim, cfg.max_steps, replica.group)
     publisher = None
     if cfg.sync.mode == "colocated":
+        if engine_cfg.num_blocks == 0:
+            engine_cfg = dataclasses.replace(engine_cfg, num_blocks=_kv_blocks(cfg, tokenizer, task))
         engine = Engine(model, engine_cfg)
         lend, kv_bytes = cfg.memory.lends(engine.device), engine.pool.nbytes
         log.info("KV pool: %d blocks of %d tokens", engine_cfg.num_blocks, engine_cfg.block_size)

@@ -222,14 +222,23 @@ def write_back(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
 
     Returns a bool mask of param's shape, true exactly where the stored bits changed."""
     new = master.to(param.dtype)
-    # Compare bits, not values: -0.0 == 0.0 would leave a receiver's bytes (and checksum) stale.
-    bits = _BITS[param.element_size()]
-    mask = new.view(bits) != param.view(bits)
+    mask = changed_bits(new, param)
     param.copy_(new)
     return mask
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """The same memory viewed as signed integers of the element's width."""
+    return t.view(_BITS[t.element_size()])
+
+
+def changed_bits(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Where the stored bits differ. Bits, not values: -0.0 == 0.0 would leave a receiver's bytes (and checksum)
+    stale."""
+    return as_bits(new) != as_bits(old)
 
 
 def global_grad_norm(grads: list[torch.Tensor]) -> float:

@@ -17,7 +17,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .optimizer import _BITS, MasterAdamW, OptimConfig, _AdamState, adamw_step
+from .optimizer import MasterAdamW, OptimConfig, _AdamState, adamw_step, changed_bits
 
 
 class HostAdamW(MasterAdamW):
@@ -93,8 +93,7 @@ class HostAdamW(MasterAdamW):
                        beta2=self.cfg.beta2, eps=self.cfg.eps, weight_decay=self.cfg.weight_decay)
             flat = param.detach().view(-1)[a:b]
             new = master.to(param.dtype)
-            bits = _BITS[param.element_size()]
-            masks[name].view(-1)[a:b] = new.view(bits) != flat.view(bits)
+            masks[name].view(-1)[a:b] = changed_bits(new, flat)
             flat.copy_(new)
             state = self.state[name]
             if cuda:
