@@ -3,14 +3,16 @@
     python bench/scaling.py --json bench/results/h200x2/scaling.json                   # 1 GPU, then dp=2
     python bench/scaling.py --device cpu --shape tiny --steps 2 --new 16                # the protocol, quick
 
-The global batch is the same in both runs (``--prompts`` x G=8 samples of ``--new`` tokens): alone, one process
-generates and trains all of it; with dp=N each replica generates and trains 1/N, gradients are summed once per
-step and the optimizer state is sharded (``unison.dist``). Random bf16 weights; rewards random.
+With dp=N each replica generates and trains 1/N of the global batch (``--prompts`` x G=8 samples of ``--new``
+tokens), gradients are summed once per step and the optimizer state is sharded (``unison.dist``). One device runs
+twice: the whole global batch (strong scaling: the same step, done by N devices) and one replica's share (weak
+scaling: N devices do N times the work of one). Random bf16 weights; rewards random.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -29,17 +31,17 @@ from unison.train.optimizer import MasterAdamW, OptimConfig
 from unison.train.step import train_step
 
 
-def run(rank: int, world: int, args) -> dict:
+def run(rank: int, world: int, args, prompts_here: int) -> dict:
     cuda = args.device == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+        torch.cuda.reset_peak_memory_stats(device)
     model = build(args.shape, device.type, torch.bfloat16, "unison")
     group = dist.group.WORLD if world > 1 else None
     cfg = OptimConfig(lr=1e-6)
     opt = ShardedAdamW(model.named_parameters(), cfg, args.steps, group) if group else \
         MasterAdamW(model.named_parameters(), cfg, args.steps)
-    prompts_here = args.prompts // world
     engine = Engine(model, EngineConfig(num_blocks=prompts_here * GROUP * (-(-(PROMPT_TOKENS + args.new) // 16) + 1),
                                         block_size=16, max_num_seqs=prompts_here * GROUP, max_batch_tokens=8192,
                                         seed=rank))
@@ -60,14 +62,15 @@ def run(rank: int, world: int, args) -> dict:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
     s = min(times[1:] or times)  # the first step compiles kernels and captures graphs
-    return {"world": world, "s_per_step": s, "samples_per_s": args.prompts * GROUP / s, "steps": args.steps,
+    n = prompts_here * GROUP
+    return {"world": world, "samples": n, "s_per_step": s, "samples_per_s": n / s, "steps": args.steps,
             "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}
 
 
 def worker(rank: int, world: int, port: int, args, out: dict) -> None:
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world)
-    result = run(rank, world, args)
+    result = run(rank, world, args, args.prompts // world)
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
     if rank == 0:
@@ -87,7 +90,11 @@ def main():
     p.add_argument("--json", default=None)
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    single = run(0, 1, args)
+    whole = run(0, 1, args, args.prompts)
+    share = run(0, 1, args, args.prompts // args.dp)
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()  # the replicas need the first device
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -96,11 +103,16 @@ def main():
     with open(path) as f:
         dp = json.load(f)
     dp["samples_per_s"] = args.prompts * GROUP / dp["s_per_step"]
-    out = {"shape": args.shape, "global_samples": args.prompts * GROUP, "new_tokens": args.new, "one": single,
-           f"dp{args.dp}": dp, "dp_speedup": dp["samples_per_s"] / single["samples_per_s"]}
-    print(f"{args.shape}: 1 device {single['s_per_step']:.2f} s/step ({single['samples_per_s']:.1f} samples/s); "
-          f"dp={args.dp} {dp['s_per_step']:.2f} s/step ({dp['samples_per_s']:.1f} samples/s): "
-          f"{out['dp_speedup']:.2f}x")
+    out = {"shape": args.shape, "global_samples": args.prompts * GROUP, "new_tokens": args.new,
+           "one_whole_batch": whole, "one_replica_share": share, f"dp{args.dp}": dp,
+           "dp_speedup_strong": dp["samples_per_s"] / whole["samples_per_s"],
+           "dp_speedup_weak": dp["samples_per_s"] / share["samples_per_s"]}
+    for name, one in (("whole batch", whole), ("one share", share)):
+        print(f"{args.shape} 1 device, {name}: {one['samples']} samples, {one['s_per_step']:.2f} s/step, "
+              f"{one['samples_per_s']:.1f} samples/s")
+    print(f"{args.shape} dp={args.dp}: {args.prompts * GROUP} samples, {dp['s_per_step']:.2f} s/step, "
+          f"{dp['samples_per_s']:.1f} samples/s; speedup {out['dp_speedup_strong']:.2f}x (strong), "
+          f"{out['dp_speedup_weak']:.2f}x (weak)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -3,10 +3,12 @@ and the AdamW-inversion detector's misses over 200 steps.
 
     python bench/sync.py --json bench/results/h200x2/sync.json          # two GPUs: trainer cuda:0, server cuda:1
     python bench/sync.py --device cpu --shapes tiny --steps 3           # the same protocol over gloo, quick
+    python bench/sync.py --inversion-only --json inversion.json        # the detector alone, on one device
 
 Per workload (shape, lr): the trainer generates 8 prompts x G=8 samples of 128 tokens with its colocated engine,
-trains one step (fp32-master AdamW), then syncs twice over a torch.distributed group (NCCL on GPUs): the sparse
-patch (changed elements only) and the full anchor. A sync is timed from the start of building its message to the
+trains one step (fp32-master AdamW), then syncs over a torch.distributed group (NCCL on GPUs): the sparse patch
+(changed elements only) every step, and the full anchor after the first two steps (it has the same size every step;
+the first of each kind is warm-up). A sync is timed from the start of building its message to the
 server's acknowledgement that it applied and verified it (an all-reduce after the apply). Random bf16 weights.
 """
 
@@ -61,7 +63,7 @@ def timed_send(channel: DistChannel, make_blob) -> tuple[float, int]:
     return time.perf_counter() - t0, len(blob)
 
 
-def trainer(args, device: torch.device, channel: DistChannel) -> list[dict]:
+def trainer(args, device: torch.device, channel: DistChannel, save) -> list[dict]:
     results = []
     for shape in args.shapes.split(","):
         for lr in args.lrs:
@@ -85,20 +87,23 @@ def trainer(args, device: torch.device, channel: DistChannel) -> list[dict]:
                 changed = sum(int(m.sum()) for m in opt.changed_masks.values())
                 numel = sum(p.numel() for p in params.values())
                 sparse_s, sparse_bytes = timed_send(channel, partial(sparse_blob, params, opt.changed_masks, step))
-                full_s, full_bytes = timed_send(channel, partial(full_blob, params, step))
-                rows.append({"changed_frac": changed / numel, "sparse_s": sparse_s, "sparse_bytes": sparse_bytes,
-                             "full_s": full_s, "full_bytes": full_bytes})
+                row = {"changed_frac": changed / numel, "sparse_s": sparse_s, "sparse_bytes": sparse_bytes}
+                if step <= 2:  # a full copy is the same size every step: timed once after the warm-up
+                    row["full_s"], row["full_bytes"] = timed_send(channel, partial(full_blob, params, step))
+                rows.append(row)
                 print(f"  {shape} lr {lr:g} step {step}: changed {changed / numel:.2%}, sparse "
-                      f"{sparse_bytes / 2**20:.1f} MiB {sparse_s * 1e3:.0f} ms, full {full_bytes / 2**20:.1f} MiB "
-                      f"{full_s * 1e3:.0f} ms", flush=True)
+                      f"{sparse_bytes / 2**20:.1f} MiB {sparse_s * 1e3:.0f} ms" + (
+                          f", full {row['full_bytes'] / 2**20:.1f} MiB {row['full_s'] * 1e3:.0f} ms"
+                          if "full_s" in row else ""), flush=True)
             timed = rows[1:] or rows  # the first step includes kernel compilation and graph capture
-            mean = {k: statistics.mean(r[k] for r in timed) for k in timed[0]}
+            mean = {k: statistics.mean(r[k] for r in timed if k in r) for k in timed[0]}
             results.append({"name": f"{shape}/lr{lr:g}", "params": numel, "steps": args.steps,
                             "changed_frac_mean": mean["changed_frac"],
                             "sparse": {"bytes": mean["sparse_bytes"], "s": mean["sparse_s"]},
                             "full": {"bytes": mean["full_bytes"], "s": mean["full_s"]},
                             "bytes_ratio": mean["full_bytes"] / mean["sparse_bytes"],
                             "time_ratio": mean["full_s"] / mean["sparse_s"], "per_step": rows})
+            save(results)
             del engine, opt, model, params
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -116,9 +121,11 @@ def server(device: torch.device, channel: DistChannel) -> None:
         receiver = Receiver(dict(model.named_parameters()))
         receiver.receive(channel.broadcast(None))  # the initial anchor
         channel.anyone_needs_anchor(receiver.needs_anchor)
-        for _ in range(spec["steps"]):
+        for step in range(1, spec["steps"] + 1):
             receiver.receive(channel.broadcast(None))  # sparse: checked, applied, checksums verified
             channel.anyone_needs_anchor(receiver.needs_anchor)
+            if step > 2:
+                continue
             full = decode(channel.broadcast(None))
             apply(receiver.params, full, receiver.version)  # the full copy, applied and verified the same way
             if device.type == "cuda":
@@ -168,19 +175,25 @@ def worker(rank: int, args, port: int) -> None:
                             world_size=2)
     channel = DistChannel(device=device)
     if rank == 0:
-        out = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "workloads": trainer(args, device,
-                                                                                                    channel)}
-        out["inversion"] = inversion_misses(args.shapes.split(",")[0], device, args.inversion_steps)
+        out = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "workloads": []}
+
+        def save(workloads):
+            out["workloads"] = workloads
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(out, f, indent=2)
+
+        trainer(args, device, channel, save)
+        if args.inversion_steps:
+            out["inversion"] = inversion_misses(args.shapes.split(",")[0], device, args.inversion_steps)
+            save(out["workloads"])
         print(f"{'workload':22s} {'changed':>8s} {'sparse MiB':>10s} {'full MiB':>9s} {'bytes x':>8s} "
               f"{'sparse ms':>9s} {'full ms':>8s} {'time x':>7s}")
         for w in out["workloads"]:
             print(f"{w['name']:22s} {w['changed_frac_mean']:8.2%} {w['sparse']['bytes'] / 2**20:10.1f} "
                   f"{w['full']['bytes'] / 2**20:9.1f} {w['bytes_ratio']:8.1f} {w['sparse']['s'] * 1e3:9.0f} "
                   f"{w['full']['s'] * 1e3:8.0f} {w['time_ratio']:7.1f}")
-        print(out["inversion"])
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=2)
+        print(out.get("inversion"))
     else:
         server(device, channel)
     dist.destroy_process_group()
@@ -191,10 +204,19 @@ def main():
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--shapes", default="qwen3-0.6b,qwen3-1.7b", help=f"comma-separated, of {sorted(SHAPES)}")
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5])
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--inversion-steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=3, help="GRPO steps per workload (>= 2: the first is warm-up)")
+    p.add_argument("--inversion-steps", type=int, default=200, help="0: skip the detector")
+    p.add_argument("--inversion-only", action="store_true", help="only the detector, in this process")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.inversion_only:
+        device = torch.device("cuda" if args.device == "cuda" else "cpu")
+        result = inversion_misses(args.shapes.split(",")[0], device, args.inversion_steps)
+        print(result)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"inversion": result}, f, indent=2)
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -43,7 +43,7 @@ def make_params(dtype: torch.dtype, scale: float = 1.0) -> dict[str, torch.nn.Pa
 def set_grads(params: dict[str, torch.nn.Parameter], step: int, scale: float) -> None:
     gen = torch.Generator().manual_seed(100 + step)
     for p in params.values():
-        p.grad = (torch.randn(p.shape, generator=gen) * scale).to(p.dtype)
+        p.grad = (torch.randn(p.shape, generator=gen) * scale).to(p.device, p.dtype)
 
 
 def test_matches_torch_adamw_fp32():
