@@ -79,6 +79,16 @@ def test_failing_reward_functions_are_counted_not_fatal():
         calls["n"] += 1
         return [float("nan")] if calls["n"] % 5 == 0 else [0.0]
 
+    def chokes_on_w9(prompts, completions, **_):
+        if any("w9" in c for c in completions):
+            raise ValueError("unparseable")
+        return [1.0] * len(completions)
+
+    # A batch it fails on is scored one completion at a time: only the completion it fails on loses its reward.
+    isolating = RewardScorer([(chokes_on_w9, 1.0)])
+    assert [r for r, _ in isolating.score(["p"] * 3, ["w7", "w9", "w8"], {})] == [1.0, None, 1.0]
+    assert isolating.missing["chokes_on_w9"] == 1
+
     loop = make_loop([(count_w7, 1.0), (rarely_failing, 1.0)])
     batch, metrics = loop.next_batch(trainer_version=0)
     assert len(batch) == 8 and metrics["rollout/missing_reward"] > 0

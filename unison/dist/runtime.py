@@ -21,7 +21,7 @@ import torch.distributed as dist
 @dataclass
 class DistConfig:
     tp: int = 1
-    """Tensor-parallel degree. Only 1 (pure data parallel) is implemented so far."""
+    """Tensor-parallel degree: > 1 shards the model across that many processes (all of torchrun's, for now)."""
     timeout_s: float = 300.0
     """A collective that waits longer than this fails the run: a dead replica is reported, not waited on."""
 
@@ -47,9 +47,6 @@ class Replica:
 def init_replicas(cfg: DistConfig, device_type: str) -> Replica | None:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, ...); None when running alone."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.tp != 1:
-        raise ValueError(f"dist.tp={cfg.tp}: tensor parallelism is not implemented yet; run data-parallel replicas "
-                         "(dist.tp=1)")
     if world == 1:
         return None
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))

@@ -54,6 +54,11 @@ class Engine:
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        # Under tensor parallelism (transformers' tp_plan) each rank holds the K/V of its share of the heads.
+        tp = getattr(model, "tp_size", None) or 1
+        if kv_heads % tp:
+            raise ValueError(f"{text.model_type}: {kv_heads} KV heads do not split across tensor-parallel size {tp}")
+        kv_heads //= tp
         # One block more than the allocator hands out: the scratch block that padded graph rows write into.
         self.pool = KVPool(text.num_hidden_layers, config.num_blocks + 1, config.block_size, kv_heads, head_dim,
                            self.dtype, self.device)

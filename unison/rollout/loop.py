@@ -101,8 +101,7 @@ class RolloutLoop:
                                    "scored), which carry no signal")
             self._fill()
             t = time.perf_counter()
-            for completion in self.engine.step():
-                self._land(completion)
+            self._land(self.engine.step())
             self.gen_time += time.perf_counter() - t
         batch, self.ready = self.ready[:self.cfg.samples_per_step], self.ready[self.cfg.samples_per_step:]
         return batch, self._metrics(batch, trainer_version, time.perf_counter() - t0)
@@ -155,27 +154,35 @@ class RolloutLoop:
     def _encode(self, text: str) -> list[int]:
         return encode_prompt(self.tokenizer, text, self.system_prompt)
 
-    def _land(self, completion: Completion) -> None:
-        group = self.groups[completion.group_id]
-        group.pending -= 1
-        if completion.finish_reason == "abort" or not completion.token_ids:
-            self.counts["aborted"] += 1
-        else:
-            text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-            columns = {k: [v] for k, v in group.row.items() if k != "prompt"}
-            (reward, parts), = self.scorer.score([group.prompt_text], [text], columns)
-            group.landed.append((completion, reward))
-            self.window["length"].append(len(completion.token_ids))
-            self.window["truncated"].append(float(completion.finish_reason == "length"))
-            if reward is None:
-                self.counts["missing_reward"] += 1
+    def _land(self, completions: list[Completion]) -> None:
+        """Score what one engine step finished (in one call: one collective under tensor parallelism), then file
+        each completion with its group."""
+        finished = [c for c in completions if c.finish_reason != "abort" and c.token_ids]
+        rows = [self.groups[c.group_id].row for c in finished]
+        keys = dict.fromkeys(k for row in rows for k in row if k != "prompt")
+        columns = {k: [row.get(k) for row in rows] for k in keys}
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in finished]
+        scores = iter(self.scorer.score([self.groups[c.group_id].prompt_text for c in finished], texts, columns)
+                      if finished else [])
+        for completion in completions:
+            group = self.groups[completion.group_id]
+            group.pending -= 1
+            if completion.finish_reason == "abort" or not completion.token_ids:
+                self.counts["aborted"] += 1
             else:
-                self.window["reward"].append(reward)
-                for name, value in parts.items():
-                    self.window_parts.setdefault(name, []).append(value)
-            self.gen_tokens += len(completion.token_ids)
-        if group.pending == 0:
-            self._close(completion.group_id)
+                reward, parts = next(scores)
+                group.landed.append((completion, reward))
+                self.window["length"].append(len(completion.token_ids))
+                self.window["truncated"].append(float(completion.finish_reason == "length"))
+                if reward is None:
+                    self.counts["missing_reward"] += 1
+                else:
+                    self.window["reward"].append(reward)
+                    for name, value in parts.items():
+                        self.window_parts.setdefault(name, []).append(value)
+                self.gen_tokens += len(completion.token_ids)
+            if group.pending == 0:
+                self._close(completion.group_id)
 
     def _close(self, group_id: str) -> None:
         group = self.groups.pop(group_id)

@@ -58,8 +58,11 @@ class RewardScorer:
                 raise ValueError(f"returned {len(values)} values for {len(completions)} completions")
             return [None if v is None else float(v) for v in values]
         except Exception as e:  # a user's reward function must not end the run
+            if len(completions) > 1:  # isolate the completions it fails on: score them one at a time
+                return [self._call(fn, name, prompts[i:i + 1], completions[i:i + 1],
+                                   {k: v[i:i + 1] for k, v in columns.items()})[0] for i in range(len(completions))]
             log.warning("reward function %s failed: %s: %s", name, type(e).__name__, e)
-            return [_FAILED] * len(completions)
+            return [_FAILED]
 
 
 _FAILED = float("nan")  # what a failed call scores: counted as missing, like a NaN

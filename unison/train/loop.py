@@ -16,6 +16,14 @@ from tqdm import tqdm
 from ..config import dump_config
 from ..dist.data_parallel import ShardedAdamW
 from ..dist.runtime import Replica, check_replicas_agree, init_replicas, reduce_metrics
+from ..dist.tensor_parallel import (
+    BroadcastScorer,
+    TensorParallel,
+    TensorParallelAdamW,
+    check_ranks_agree,
+    init_tensor_parallel,
+    replicated_agree,
+)
 from ..engine import Engine
 from ..metrics import MetricsWriter
 from ..models import load_policy, stop_token_ids
@@ -40,8 +48,13 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    replica = init_replicas(cfg.dist, torch.device(device).type)
-    main = replica is None or replica.is_main
+    tp = replica = None
+    if cfg.dist.tp > 1:  # every rank holds a shard of one model and rolls out the same samples
+        tp = init_tensor_parallel(cfg.dist.tp, cfg.dist.timeout_s, torch.device(device).type)
+        device, cfg = str(tp.device), _tensor_parallel(cfg)
+    else:
+        replica = init_replicas(cfg.dist, torch.device(device).type)
+    main = (replica is None or replica.is_main) and (tp is None or tp.is_main)
     if replica is not None:
         device = str(replica.device)
         cfg = _per_replica(cfg, replica)
@@ -52,12 +65,15 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     random.seed(seed)
     torch.manual_seed(cfg.seed)  # the same initial state everywhere
     dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    model, tokenizer = load_policy(cfg.resume or cfg.model.name_or_path, dtype=getattr(torch, dtype), device=device)
+    model, tokenizer = load_policy(cfg.resume or cfg.model.name_or_path, dtype=getattr(torch, dtype), device=device,
+                                   tp_mesh=tp.mesh if tp is not None else None)
     check_packed_attention(model)
     task = task or load_task(cfg.data)
     # The run's seed drives sampling too, unless the engine section sets its own.
     engine_cfg = cfg.engine if cfg.engine.seed is not None else dataclasses.replace(cfg.engine, seed=seed)
-    if replica is None:
+    if tp is not None:
+        optimizer = TensorParallelAdamW(model, cfg.optim, cfg.max_steps, tp)
+    elif replica is None:
         optimizer = make_optimizer(model.named_parameters(), cfg.optim, total_steps=cfg.max_steps)
     else:
         optimizer = ShardedAdamW(model.named_parameters(), cfg.optim, cfg.max_steps, replica.group)
@@ -78,9 +94,11 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     stop_ids = stop_token_ids(tokenizer, model)
     rollout = RolloutLoop(engine, tokenizer, task.rows, task.reward_fns, cfg.rollout, stop_ids, seed=seed,
                           system_prompt=task.system_prompt)
+    if tp is not None:
+        rollout.scorer = BroadcastScorer(rollout.scorer, tp)  # rewards run once, on rank 0
     start = 1
     if cfg.resume:
-        saved = load_trainer_state(cfg.resume, replica.rank if replica is not None else 0)
+        saved = load_trainer_state(cfg.resume, _rank(replica, tp))
         optimizer.load_state_dict(saved["optimizer"])
         rollout.load_state_dict(saved["rollout"])
         random.setstate(saved["python_rng"])
@@ -98,6 +116,8 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
         t0 = time.perf_counter()
         try:
             samples, metrics = rollout.next_batch(trainer_version=engine.version)
+            if tp is not None:
+                check_ranks_agree(samples, tp)
             t1 = time.perf_counter()
             with engine.lend() if lend else nullcontext(0) as lent:
                 metrics.update(train_step(model, optimizer, samples, cfg.loss, cfg.rollout.temperature,
@@ -126,14 +146,17 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
                             gen_tok_s=f"{metrics['rollout/tokens_per_s']:.0f}")
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
             _save(os.path.join(cfg.output_dir, f"checkpoint-{step}"), step, model, tokenizer, optimizer, rollout,
-                  replica)
+                  replica, tp)
 
     if publisher is not None:
         publisher.close()
     if replica is not None:
         check_replicas_agree(model, replica)
-    _save(os.path.join(cfg.output_dir, "checkpoint"), cfg.max_steps, model, tokenizer, optimizer, rollout, replica)
-    if replica is not None:
+    if tp is not None:
+        replicated_agree(model, tp)
+    _save(os.path.join(cfg.output_dir, "checkpoint"), cfg.max_steps, model, tokenizer, optimizer, rollout, replica,
+          tp)
+    if replica is not None or tp is not None:
         dist.destroy_process_group()
     if main:
         writer.plot()
@@ -142,15 +165,32 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     return metrics
 
 
-def _save(path: str, step: int, model, tokenizer, optimizer, rollout: RolloutLoop, replica: Replica | None) -> None:
-    """The HF checkpoint (rank 0), then every rank's trainer state beside it, for ``resume``."""
-    if replica is None or replica.is_main:
+def _save(path: str, step: int, model, tokenizer, optimizer, rollout: RolloutLoop, replica: Replica | None,
+          tp: TensorParallel | None) -> None:
+    """The HF checkpoint (rank 0; under tensor parallelism every rank helps gather the full weights), then every
+    rank's trainer state beside it, for ``resume``."""
+    if tp is not None:
+        save_hf_checkpoint(model, tokenizer, path, is_main_process=tp.is_main)
+    elif replica is None or replica.is_main:
         save_hf_checkpoint(model, tokenizer, path)
-    if replica is not None:
-        dist.barrier(group=replica.group)  # the directory exists before the other ranks write into it
-    save_trainer_state(path, replica.rank if replica is not None else 0,
+    group = replica.group if replica is not None else tp.group if tp is not None else None
+    if group is not None:
+        dist.barrier(group=group)  # the directory exists before the other ranks write into it
+    save_trainer_state(path, _rank(replica, tp),
                        {"step": step, "optimizer": optimizer.state_dict(), "rollout": rollout.state_dict(),
                         "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()})
+
+
+def _rank(replica: Replica | None, tp: TensorParallel | None) -> int:
+    return replica.rank if replica is not None else tp.rank if tp is not None else 0
+
+
+def _tensor_parallel(cfg: TrainConfig) -> TrainConfig:
+    """What tensor parallelism supports so far; decode steps run eagerly (no CUDA graphs across collectives
+    yet)."""
+    if cfg.optim.placement == "host" or cfg.sync.mode != "colocated":
+        raise ValueError("tensor parallelism runs colocated with optim.placement=gpu for now")
+    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, cuda_graphs=False))
 
 
 def _per_replica(cfg: TrainConfig, replica: Replica) -> TrainConfig:

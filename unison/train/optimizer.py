@@ -149,7 +149,7 @@ class MasterAdamW:
     def step(self) -> StepStats:
         """Clip, step every parameter with a grad, write back; raises on a non-finite gradient norm."""
         stepped = {name: p for name, p in self.params.items() if p.grad is not None}
-        grad_norm = global_grad_norm([p.grad for p in stepped.values()])
+        grad_norm = self._grad_norm(stepped)
         if not math.isfinite(grad_norm):
             # Stepping would spread NaN/inf through every master, and the engine decodes from them.
             raise FloatingPointError(f"non-finite gradient norm {grad_norm} at step {self.step_count}")
@@ -167,7 +167,17 @@ class MasterAdamW:
         return StepStats(step=self.step_count, lr=lr, grad_norm=grad_norm,
                          changed_fraction=self.changed_fraction, num_changed=num_changed)
 
+    def _grad_norm(self, stepped: dict[str, torch.nn.Parameter]) -> float:
+        return global_grad_norm([p.grad for p in stepped.values()])
+
+    @staticmethod
+    def _shard(t: torch.Tensor) -> torch.Tensor:
+        """The part of a parameter (or its gradient) this optimizer steps: all of it, except under tensor
+        parallelism."""
+        return t
+
     def _new_state(self, name: str, param: torch.nn.Parameter) -> _AdamState | None:
+        param = self._shard(param)
         return _AdamState(master=param.detach().to(torch.float32, copy=True),
                           exp_avg=torch.zeros_like(param, dtype=torch.float32),
                           exp_avg_sq=torch.zeros_like(param, dtype=torch.float32))
@@ -180,13 +190,13 @@ class MasterAdamW:
         """Step one parameter and write it back; returns its changed mask. The unit a streamed-from-host
         variant wraps with its copy-in / copy-out."""
         state = self.state[name]
-        grad = param.grad.to(torch.float32)
+        grad = self._shard(param.grad).to(torch.float32)
         if grad_scale != 1.0:
             grad = grad * grad_scale
         adamw_step(state.master, grad, state.exp_avg, state.exp_avg_sq, step=self.step_count, lr=lr,
                    beta1=self.cfg.beta1, beta2=self.cfg.beta2, eps=self.cfg.eps,
                    weight_decay=self.cfg.weight_decay)
-        return write_back(param, state.master)
+        return write_back(self._shard(param.data), state.master)
 
     def zero_grad(self) -> None:
         for p in self.params.values():

@@ -1,0 +1,162 @@
+"""Tensor parallelism: the model sharded by transformers' own plan (DTensor over a ``tp`` DeviceMesh axis).
+
+``torchrun --nproc-per-node T -m unison train --dist.tp=T``: every rank holds 1/T of each attention and MLP
+projection (column-wise in, row-wise out, one all-reduce per block), the KV heads of its share of the attention
+heads, and the whole vocabulary projection and embedding (replicated), so the engine's and the trainer's chunked
+fp32-output lm_head works unchanged. Every rank runs the same engine steps and training steps in the same order
+from one host thread, so the collectives inside the forwards always match; the ranks sample the same tokens
+because their logits are the same all-reduced values. Rewards are computed once, on rank 0, and broadcast.
+
+Two rules of transformers' plans change here. Embedding and lm_head are replicated instead of vocabulary-sharded.
+Norms that see one rank's heads only (Qwen3's ``q_norm``/``k_norm``: "replicated_with_grad_allreduce") are plain
+replicated parameters whose partial gradients ``TensorParallelAdamW`` sums once per optimizer step: transformers'
+own hook all-reduces the accumulated gradient after every backward, which double-counts under gradient
+accumulation (one backward per packed row).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from ..train.optimizer import MasterAdamW, OptimConfig
+from .data_parallel import all_reduce_grads
+
+PARTIAL_GRAD = "replicated_with_grad_allreduce"
+
+
+@dataclass
+class TensorParallel:
+    rank: int
+    world: int
+    device: torch.device
+    mesh: DeviceMesh
+    group: object
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_tensor_parallel(tp: int, timeout_s: float, device_type: str) -> TensorParallel:
+    """Join torchrun's process group with every rank on one ``tp`` mesh axis."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != tp:
+        raise ValueError(f"dist.tp={tp} with {world} processes: tensor parallelism spans every process for now "
+                         f"(run torchrun --nproc-per-node {tp}); data-parallel replicas of tensor-parallel groups "
+                         "are not implemented")
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+    mesh = init_device_mesh(device_type, (tp,), mesh_dim_names=("tp",))
+    return TensorParallel(dist.get_rank(), tp, device, mesh, mesh.get_group())
+
+
+def plan_overrides(config) -> dict[str, str]:
+    """Overrides of the model's tensor-parallel plan (see the module docstring)."""
+    base = getattr(config.get_text_config(), "base_model_tp_plan", None) or {}
+    if not base:
+        raise ValueError(f"{config.model_type}: transformers has no tensor-parallel plan for this model")
+    overrides = {"lm_head": "replicate", "model.embed_tokens": "replicate"}
+    overrides |= {f"model.{key}": "replicate" for key, style in base.items() if style == PARTIAL_GRAD}
+    return overrides
+
+
+def partial_grad_names(model: torch.nn.Module) -> list[str]:
+    """Parameters whose gradient on each rank covers only that rank's heads (to be summed across ranks)."""
+    base = getattr(model.config.get_text_config(), "base_model_tp_plan", None) or {}
+    patterns = [f"model.{key}" for key, style in base.items() if style == PARTIAL_GRAD]
+    return [name for name, _ in model.named_parameters()
+            if any(fnmatch.fnmatch(name.rsplit(".", 1)[0], p) for p in patterns)]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the same memory), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class TensorParallelAdamW(MasterAdamW):
+    """``MasterAdamW`` on each rank's shards: fp32 masters and moments of the local shard of every sharded
+    parameter and of every replicated one; the clipping norm counts each element of the full model once."""
+
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, total_steps: int, tp: TensorParallel):
+        self.tp = tp
+        self.partial = set(partial_grad_names(model))
+        super().__init__(model.named_parameters(), cfg, total_steps)
+
+    _shard = staticmethod(local)
+
+    @torch.no_grad()
+    def step(self):
+        all_reduce_grads([self.params[name] for name in sorted(self.partial) if name in self.params], self.tp.group)
+        return super().step()
+
+    def _grad_norm(self, stepped: dict[str, torch.nn.Parameter]) -> float:
+        sharded = torch.zeros((), dtype=torch.float32, device=self.tp.device)
+        replicated = torch.zeros((), dtype=torch.float32, device=self.tp.device)
+        for p in stepped.values():
+            sq = torch.linalg.vector_norm(local(p.grad), dtype=torch.float32).square()
+            if isinstance(p, DTensor):
+                sharded += sq
+            else:
+                replicated += sq
+        dist.all_reduce(sharded, group=self.tp.group)
+        return float((sharded + replicated).sqrt())
+
+
+def digest(samples) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for s in samples:
+        h.update(repr((s.prompt_ids, s.completion_ids, s.reward)).encode())
+    return h.hexdigest()
+
+
+def check_ranks_agree(samples, tp: TensorParallel) -> None:
+    """Raise if any rank rolled out other samples than rank 0 (a divergence would desynchronise the
+    collectives of the next forward)."""
+    gathered: list[str] = [None] * tp.world
+    dist.all_gather_object(gathered, digest(samples), group=tp.group)
+    bad = [rank for rank, d in enumerate(gathered) if d != gathered[0]]
+    if bad:
+        raise RuntimeError(f"tensor-parallel ranks {bad} rolled out other samples than rank 0")
+
+
+class BroadcastScorer:
+    """A reward scorer that runs on rank 0 only; the other ranks receive its results."""
+
+    def __init__(self, inner, tp: TensorParallel):
+        self.inner, self.tp = inner, tp
+
+    def score(self, *args, **kwargs):
+        result = [self.inner.score(*args, **kwargs) if self.tp.is_main else None]
+        dist.broadcast_object_list(result, src=dist.get_global_rank(self.tp.group, 0), group=self.tp.group)
+        return result[0]
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model`` whole, on every rank (a collective: all ranks call it)."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+
+
+def replicated_agree(model: torch.nn.Module, tp: TensorParallel) -> None:
+    """Raise if a replicated parameter differs from rank 0's (they must stay identical)."""
+    from ..sync.codec import checksum
+
+    mine = {name: checksum(p) for name, p in model.named_parameters() if not isinstance(p, DTensor)}
+    gathered: list[dict] = [None] * tp.world
+    dist.all_gather_object(gathered, mine, group=tp.group)
+    bad = [rank for rank, other in enumerate(gathered) if other != gathered[0]]
+    if bad:
+        raise RuntimeError(f"tensor-parallel ranks {bad} hold replicated parameters that differ from rank 0's")
