@@ -6,10 +6,12 @@ and the AdamW-inversion detector's misses over 200 steps.
     python bench/sync.py --inversion-only --json inversion.json        # the detector alone, on one device
 
 Per workload (shape, lr): the trainer generates 8 prompts x G=8 samples of 128 tokens with its colocated engine,
-trains one step (fp32-master AdamW), then syncs over a torch.distributed group (NCCL on GPUs): the sparse patch
-(changed elements only) every step, and the full anchor after the first two steps (it has the same size every step;
-the first of each kind is warm-up). A sync is timed from the start of building its message to the
-server's acknowledgement that it applied and verified it (an all-reduce after the apply). Random bf16 weights.
+trains one step (fp32-master AdamW), then syncs over a torch.distributed group (NCCL on GPUs) as ``unison train
+--sync.transport=dist`` does, device to device (``--framing bytes``: as safetensors bytes through host memory,
+what the directory and HTTP transports carry): the sparse patch (changed elements only) every step, and the full
+anchor after the first two steps (it has the same size every step; the first of each kind is warm-up). A sync is
+timed from the start of building its message to the server's acknowledgement that it applied and verified it (an
+all-reduce after the apply). Random bf16 weights.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from memory import GROUP, scored_samples
 
 from unison.engine import Engine, EngineConfig, SamplingParams
 from unison.rollout.sample import Sample
-from unison.sync import Receiver, anchor_patch, apply, decode, encode, sparse_patch
+from unison.sync import Framed, Receiver, anchor_patch, apply, decode, encode, frame, sparse_patch
 from unison.sync.masks import adamw_inversion_mask
 from unison.sync.transport import DistChannel
 from unison.train.loss import LossConfig
@@ -47,12 +49,18 @@ def grpo_samples(engine: Engine, prompts: list[list[int]], step: int) -> list[Sa
     return scored_samples(done, torch.rand(len(done), generator=g).tolist())
 
 
-def sparse_blob(params, masks, step: int) -> bytes:
-    return encode(sparse_patch(params, masks, step - 1, step))
+def wire(patch_of_host, framing: str) -> bytes | Framed:
+    """``framed``: the tensors where they are (what ``unison train`` sends over dist); ``bytes``: a safetensors
+    file through host memory (what it sends to a directory or over HTTP)."""
+    return frame(patch_of_host(False)) if framing == "framed" else encode(patch_of_host(True))
 
 
-def full_blob(params, step: int) -> bytes:
-    return encode(anchor_patch(params, step))
+def sparse_blob(params, masks, step: int, framing: str) -> bytes | Framed:
+    return wire(lambda to_host: sparse_patch(params, masks, step - 1, step, to_host), framing)
+
+
+def full_blob(params, step: int, framing: str) -> bytes | Framed:
+    return wire(lambda to_host: anchor_patch(params, step, to_host), framing)
 
 
 def timed_send(channel: DistChannel, make_blob) -> tuple[float, int]:
@@ -60,7 +68,7 @@ def timed_send(channel: DistChannel, make_blob) -> tuple[float, int]:
     blob = make_blob()
     channel.broadcast(blob)
     channel.anyone_needs_anchor(False)  # returns once the server applied and verified it
-    return time.perf_counter() - t0, len(blob)
+    return time.perf_counter() - t0, blob.nbytes if isinstance(blob, Framed) else len(blob)
 
 
 def trainer(args, device: torch.device, channel: DistChannel, save) -> list[dict]:
@@ -76,7 +84,7 @@ def trainer(args, device: torch.device, channel: DistChannel, save) -> list[dict
             prompts = [torch.randint(10, model.config.vocab_size, (PROMPT_TOKENS,), generator=g).tolist()
                        for _ in range(PROMPTS)]
             channel.broadcast(json.dumps({"shape": shape, "steps": args.steps}).encode())
-            timed_send(channel, partial(full_blob, params, 0))  # the initial full sync
+            timed_send(channel, partial(full_blob, params, 0, args.framing))  # the initial full sync
             rows = []
             for step in range(1, args.steps + 1):
                 samples = grpo_samples(engine, prompts, step)
@@ -86,10 +94,12 @@ def trainer(args, device: torch.device, channel: DistChannel, save) -> list[dict
                     torch.cuda.synchronize(device)
                 changed = sum(int(m.sum()) for m in opt.changed_masks.values())
                 numel = sum(p.numel() for p in params.values())
-                sparse_s, sparse_bytes = timed_send(channel, partial(sparse_blob, params, opt.changed_masks, step))
+                sparse = partial(sparse_blob, params, opt.changed_masks, step, args.framing)
+                sparse_s, sparse_bytes = timed_send(channel, sparse)
                 row = {"changed_frac": changed / numel, "sparse_s": sparse_s, "sparse_bytes": sparse_bytes}
                 if step <= 2:  # a full copy is the same size every step: timed once after the warm-up
-                    row["full_s"], row["full_bytes"] = timed_send(channel, partial(full_blob, params, step))
+                    full = partial(full_blob, params, step, args.framing)
+                    row["full_s"], row["full_bytes"] = timed_send(channel, full)
                 rows.append(row)
                 print(f"  {shape} lr {lr:g} step {step}: changed {changed / numel:.2%}, sparse "
                       f"{sparse_bytes / 2**20:.1f} MiB {sparse_s * 1e3:.0f} ms" + (
@@ -175,7 +185,8 @@ def worker(rank: int, args, port: int) -> None:
                             world_size=2)
     channel = DistChannel(device=device)
     if rank == 0:
-        out = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "workloads": []}
+        out = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "framing": args.framing,
+               "workloads": []}
 
         def save(workloads):
             out["workloads"] = workloads
@@ -207,6 +218,8 @@ def main():
     p.add_argument("--steps", type=int, default=3, help="GRPO steps per workload (>= 2: the first is warm-up)")
     p.add_argument("--inversion-steps", type=int, default=200, help="0: skip the detector")
     p.add_argument("--inversion-only", action="store_true", help="only the detector, in this process")
+    p.add_argument("--framing", default="framed", choices=["framed", "bytes"],
+                   help="framed: device to device; bytes: safetensors through host memory")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.inversion_only:

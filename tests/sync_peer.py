@@ -5,6 +5,7 @@
 The trainer trains a bf16 tiny model for STEPS optimizer steps and syncs each step's changed elements, with
 faults injected on the way (a dropped patch, corrupted bytes, a patch for the wrong base version, an
 out-of-bounds index); the server starts from different weights, applies what arrives, and asks for anchors.
+Over ``dist`` the patches travel framed (tensors broadcast as they are), over ``dir`` as safetensors files.
 At the end both write their parameters' checksums and counts to OUT/<role>.json.
 """
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import tiny_llama  # noqa: E402
 
-from unison.sync import Receiver, anchor_patch, checksum, decode, encode, sparse_patch  # noqa: E402
+from unison.sync import Framed, Patch, Receiver, anchor_patch, checksum, encode, frame, sparse_patch  # noqa: E402
 from unison.sync.transport import DirectoryPublisher, DirectorySubscriber, DistChannel  # noqa: E402
 from unison.train.optimizer import MasterAdamW, OptimConfig  # noqa: E402
 
@@ -29,19 +30,25 @@ STEPS = 8
 FAULTS = {2: "drop", 4: "corrupt", 5: "base", 6: "bounds"}
 
 
-def faulty(blob: bytes, kind: str | None, step: int) -> bytes | None:
+def faulty(patch: Patch, kind: str | None, step: int, framed: bool) -> bytes | Framed | None:
+    """The patch as the transport carries it, with the fault of this step."""
     if kind == "drop":
         return None
     if kind == "corrupt":
+        if framed:  # bytes in the middle of the tensor buffer
+            f = frame(patch)
+            buffer = f.buffer.clone()
+            buffer[buffer.numel() // 2:buffer.numel() // 2 + 16] = 0
+            return Framed(f.header, buffer)
+        blob = encode(patch)
         return blob[: len(blob) // 2] + bytes(16) + blob[len(blob) // 2 + 16:]
-    patch = decode(blob)
     if kind == "base":
         patch.base_version = step - 2
     if kind == "bounds":
         name = next(iter(patch.indices))
         patch.indices[name] = patch.indices[name].clone()
         patch.indices[name][-1] = 10**9
-    return encode(patch)
+    return frame(patch) if framed else encode(patch)
 
 
 def wait_for_server(url: str, version: int, timeout: float = 30.0) -> None:
@@ -74,7 +81,7 @@ def trainer(transport: str, out: str, url: str | None) -> dict:
         if transport == "dist":
             if blob is None:  # a dropped patch: the server sees an empty message
                 blob = b""
-            anchors += channel.send(blob, anchor=lambda: encode(anchor_patch(params, version)))
+            anchors += channel.send(blob, anchor=lambda: anchor_patch(params, version, to_host=False))
         else:
             if blob is not None:
                 channel.publish(blob, version, anchor)
@@ -83,7 +90,8 @@ def trainer(transport: str, out: str, url: str | None) -> dict:
                 channel.publish(encode(anchor_patch(params, version)), version, anchor=True)
                 anchors += 1
 
-    send(encode(anchor_patch(params, 0)), 0, True)  # the initial full sync
+    framed = transport == "dist"
+    send(frame(anchor_patch(params, 0)) if framed else encode(anchor_patch(params, 0)), 0, True)  # initial full sync
     for step in range(1, STEPS + 1):
         g = torch.Generator().manual_seed(step)
         ids = torch.randint(0, 256, (2, 16), generator=g)
@@ -93,7 +101,7 @@ def trainer(transport: str, out: str, url: str | None) -> dict:
         patch = sparse_patch(params, opt.changed_masks, step - 1, step)
         sent_elements += patch.num_elements
         changed_elements += sum(int(m.sum()) for m in opt.changed_masks.values())
-        send(faulty(encode(patch), FAULTS.get(step), step), step, False)
+        send(faulty(patch, FAULTS.get(step), step, framed), step, False)
     if transport == "dir":
         wait_for_server(url, STEPS)
         if channel.anchor_requested():

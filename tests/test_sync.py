@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import tiny_llama
 
-from unison.sync import PatchError, Receiver, anchor_patch, apply, checksum, decode, encode, sparse_patch
+from unison.sync import Framed, PatchError, Receiver, anchor_patch, apply, checksum, decode, encode, frame, sparse_patch
 from unison.sync.codec import _decode_indices, _encode_indices
 from unison.sync.masks import adamw_inversion_mask
 from unison.sync.transport import DirectoryPublisher, DirectorySubscriber
@@ -33,10 +35,14 @@ def state(model) -> dict[str, torch.Tensor]:
 
 
 def test_index_encodings_round_trip():
+    # Gaps above the signed range (40000 in 16 bits, 3e9 in 32) are stored as wrapped bits and must come back.
     for idx in (torch.tensor([0, 3, 65000, 65536 + 70000]), torch.tensor([5, 5 + 2**20]),
-                torch.tensor([2**33 + 1]), torch.arange(0, 100000, 7)):
+                torch.tensor([2**33 + 1]), torch.arange(0, 100000, 7), torch.tensor([40000, 40000 + 65535]),
+                torch.tensor([7, 7 + 3_000_000_000, 7 + 2 * 3_000_000_000])):
         encoding, stored = _encode_indices(idx)
         assert torch.equal(_decode_indices(stored, encoding), idx), encoding
+    assert _encode_indices(torch.tensor([40000, 40000 + 65535]))[0] == "gap16"
+    assert _encode_indices(torch.tensor([7, 7 + 3_000_000_000]))[0] == "gap32"
     assert _encode_indices(torch.arange(0, 1000, 3))[0] == "gap16"
     assert _encode_indices(torch.tensor([1, 2**20]))[0] == "gap32"
 
@@ -158,3 +164,25 @@ def test_directory_channel_with_faults(tmp_path):
     assert sub.receiver.counts["rejected"] == 2 and sub.receiver.counts["anchors"] == 3
     assert sub.receiver.version == 7
     assert all(checksum(p) == checksum(model.get_parameter(n)) for n, p in copy.named_parameters())
+
+
+def test_framed_patches_round_trip_and_reject_bad_headers():
+    model, _, opt = trainer_and_copy()
+    params = state(model)
+    train_one(model, opt, 0)
+    for patch in (sparse_patch(params, opt.changed_masks, 0, 1, to_host=False), anchor_patch(params, 1)):
+        framed = frame(patch)
+        assert framed.buffer.dtype == torch.uint8 and framed.nbytes < len(encode(patch)) + 4096
+        back = decode(framed)
+        assert (back.base_version, back.version, back.anchor, back.checksums) == \
+            (patch.base_version, patch.version, patch.anchor, patch.checksums)
+        for name, values in patch.values.items():
+            assert torch.equal(back.values[name].view(torch.int16), values.view(torch.int16)), name
+            if not patch.anchor:
+                assert torch.equal(back.indices[name], patch.indices[name]), name
+    header = json.loads(framed.header)
+    header["tensors"][0][3] = framed.buffer.numel()  # past the end of the buffer
+    with pytest.raises(PatchError, match="do not fit"):
+        decode(Framed(json.dumps(header).encode(), framed.buffer))
+    with pytest.raises(PatchError, match="unreadable"):
+        decode(Framed(b"{not json", framed.buffer))

@@ -32,6 +32,7 @@ import torch
 
 from .engine import Engine, EngineConfig, SamplingParams
 from .sync import Receiver, checksum
+from .sync.codec import Framed
 from .sync.transport import DirectorySubscriber
 from .train.config import ModelConfig
 
@@ -98,7 +99,7 @@ class GenerationServer:
         self.updates.put((None, future))
         return future
 
-    def update(self, blob: bytes) -> Future:
+    def update(self, blob: bytes | Framed) -> Future:
         future: Future = Future()
         self.updates.put((blob, future))
         return future

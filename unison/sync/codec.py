@@ -1,28 +1,33 @@
-"""Weight patches: the elements one optimizer step changed, as a safetensors file.
+"""Weight patches: the elements one optimizer step changed.
 
 A sparse patch holds, per changed tensor, the flat indices of its changed elements (ascending) and their new
-values in the parameter's dtype; indices are stored as uint16 or uint32 gaps (the first one from -1) where those
-fit, else int32/int64 positions. An anchor holds every tensor whole. Both carry the version they apply to, the
-version they produce, and a checksum of each tensor they touch as it must be afterwards, so a receiver proves it
-holds the trainer's weights. Keys: ``<name>.idx`` / ``<name>.val`` (sparse), ``<name>`` (anchor); the metadata
-header says the rest.
+values in the parameter's dtype; indices are stored as 16- or 32-bit gaps (the first one from -1; the unsigned
+gaps kept as the bits of int16/int32) where those fit, else int32/int64 positions. An anchor holds every tensor
+whole. Both carry the version they apply to, the version they produce, and a checksum of each tensor they touch as
+it must be afterwards, so a receiver proves it holds the trainer's weights. Keys: ``<name>.idx`` / ``<name>.val``
+(sparse), ``<name>`` (anchor); the metadata says the rest.
+
+Two framings of the same content: a safetensors file (``encode``: bytes, for directories, buckets and HTTP), and
+``Framed`` (``frame``: a JSON header and one flat uint8 tensor on the device the patch lives on), which the
+``torch.distributed`` transport broadcasts device to device, never through host memory.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ..train.optimizer import as_bits
 
-FORMAT = "unison-patch-1"
+FORMAT = "unison-patch-2"
+_ALIGN = 16  # bytes: every tensor of a Framed buffer starts at a multiple, so it can be viewed in place
 
 
 class PatchError(ValueError):
@@ -68,45 +73,68 @@ def checksum(t: torch.Tensor) -> str:
 
 
 def sparse_patch(params: dict[str, torch.Tensor], masks: dict[str, torch.Tensor], base_version: int,
-                 version: int) -> Patch:
-    """The elements of ``params`` where ``masks`` is true (the optimizer's changed masks), after the update."""
+                 version: int, to_host: bool = True) -> Patch:
+    """The elements of ``params`` where ``masks`` is true (the optimizer's changed masks), after the update; on the
+    host, or where the parameters are (``to_host=False``, for ``frame``)."""
     patch = Patch(base_version, version, anchor=False)
     for name, mask in masks.items():
         flat = mask.reshape(-1)
         if not bool(flat.any()):
             continue
         idx = flat.nonzero().squeeze(1)
-        patch.indices[name] = idx.cpu()
-        patch.values[name] = params[name].detach().reshape(-1)[idx].cpu()
+        values = params[name].detach().reshape(-1)[idx]
+        patch.indices[name], patch.values[name] = (idx.cpu(), values.cpu()) if to_host else (idx, values)
         patch.checksums[name] = checksum(params[name])
     return patch
 
 
-def anchor_patch(params: dict[str, torch.Tensor], version: int) -> Patch:
-    return Patch(-1, version, anchor=True, values={n: p.detach().cpu().clone() for n, p in params.items()},
-                 checksums={n: checksum(p) for n, p in params.items()})
+def anchor_patch(params: dict[str, torch.Tensor], version: int, to_host: bool = True) -> Patch:
+    """Every tensor whole: host copies, or the parameters themselves (``to_host=False``: frame it at once)."""
+    values = {n: p.detach().cpu().clone() if to_host else p.detach() for n, p in params.items()}
+    return Patch(-1, version, anchor=True, values=values, checksums={n: checksum(p) for n, p in params.items()})
+
+
+@dataclass
+class Framed:
+    """A patch as the ``torch.distributed`` transport carries it: ``header`` (JSON: the metadata and each tensor's
+    key, dtype, shape and byte offset) and ``buffer``, every tensor's bytes in one flat uint8 tensor."""
+    header: bytes
+    buffer: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + self.buffer.numel()
 
 
 def encode(patch: Patch) -> bytes:
-    tensors, encodings, shapes = {}, {}, {}
-    for name, values in patch.values.items():
-        if patch.anchor:
-            tensors[name] = values.contiguous()
-            shapes[name] = list(values.shape)
-            continue
-        encodings[name], tensors[f"{name}.idx"] = _encode_indices(patch.indices[name])
-        tensors[f"{name}.val"] = values.contiguous()
-    meta = {"format": FORMAT, "base_version": str(patch.base_version), "version": str(patch.version),
-            "anchor": "1" if patch.anchor else "0", "checksums": json.dumps(patch.checksums),
-            "index_encoding": json.dumps(encodings)}
-    return st_save(tensors, metadata=meta)
+    tensors, meta = _contents(patch)
+    return st_save({k: v.cpu() for k, v in tensors.items()}, metadata=meta)
 
 
-def decode(blob: bytes) -> Patch:
-    """Parse a patch; anything malformed is a ``PatchError`` (never a crash)."""
+def frame(patch: Patch) -> Framed:
+    """The patch's tensors packed into one buffer where they live (no copy through host memory)."""
+    tensors, meta = _contents(patch)
+    entries, parts, offset = [], [], 0
+    for key, t in tensors.items():
+        flat = t.reshape(-1).view(torch.uint8)
+        entries.append([key, str(t.dtype).removeprefix("torch."), list(t.shape), offset])
+        parts.append(flat)
+        pad = -flat.numel() % _ALIGN
+        if pad:
+            parts.append(flat.new_zeros(pad))
+        offset += flat.numel() + pad
+    device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+    buffer = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+    return Framed(json.dumps({"meta": meta, "tensors": entries}).encode(), buffer)
+
+
+def decode(payload: bytes | Framed) -> Patch:
+    """Parse a patch (either framing); anything malformed is a ``PatchError`` (never a crash)."""
     try:
-        meta = _metadata(blob)
-        tensors = st_load(blob)
+        if isinstance(payload, Framed):
+            meta, tensors = _unframe(payload)
+        else:
+            meta, tensors = _metadata(payload), st_load(payload)
         if meta.get("format") != FORMAT:
             raise PatchError(f"not a unison patch (format {meta.get('format')!r})")
         patch = Patch(int(meta["base_version"]), int(meta["version"]), meta["anchor"] == "1",
@@ -124,6 +152,40 @@ def decode(blob: bytes) -> Patch:
         raise PatchError(f"unreadable patch: {type(e).__name__}: {e}") from e
 
 
+def _contents(patch: Patch) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors under their keys, and the metadata, of either framing."""
+    tensors, encodings = {}, {}
+    for name, values in patch.values.items():
+        if patch.anchor:
+            tensors[name] = values.contiguous()
+            continue
+        encodings[name], tensors[f"{name}.idx"] = _encode_indices(patch.indices[name])
+        tensors[f"{name}.val"] = values.contiguous()
+    meta = {"format": FORMAT, "base_version": str(patch.base_version), "version": str(patch.version),
+            "anchor": "1" if patch.anchor else "0", "checksums": json.dumps(patch.checksums),
+            "index_encoding": json.dumps(encodings)}
+    return tensors, meta
+
+
+_DTYPES = {name: getattr(torch, name) for name in ("bfloat16", "float16", "float32", "float64", "int8", "uint8",
+                                                     "int16", "int32", "int64")}
+
+
+def _unframe(framed: Framed) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    header = json.loads(framed.header)
+    tensors = {}
+    for key, dtype_name, shape, offset in header["tensors"]:
+        dtype = _DTYPES.get(dtype_name)
+        if dtype is None:
+            raise PatchError(f"{key}: unsupported dtype {dtype_name!r}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if offset < 0 or offset % _ALIGN or offset + nbytes > framed.buffer.numel():
+            raise PatchError(f"{key}: {nbytes} bytes at offset {offset} do not fit a {framed.buffer.numel()}-byte "
+                             "buffer")
+        tensors[key] = framed.buffer[offset:offset + nbytes].view(dtype).reshape(shape)
+    return header["meta"], tensors
+
+
 def _metadata(blob: bytes) -> dict[str, str]:
     (size,) = struct.unpack("<Q", blob[:8])
     header = json.loads(blob[8:8 + size])
@@ -131,12 +193,14 @@ def _metadata(blob: bytes) -> dict[str, str]:
 
 
 def _encode_indices(idx: torch.Tensor) -> tuple[str, torch.Tensor]:
-    gaps = torch.diff(idx, prepend=torch.tensor([-1], dtype=idx.dtype))
+    """Ascending int64 positions -> (encoding, stored), where they are (host or device). Gaps below 2**16 / 2**32
+    are stored as the low 16 / 32 bits (an integer cast wraps: the unsigned value's bits in int16 / int32)."""
+    gaps = torch.diff(idx, prepend=idx.new_full((1,), -1))
     top = int(gaps.max()) if gaps.numel() else 0
     if top < 2**16:
-        return "gap16", torch.from_numpy(gaps.numpy().astype(np.uint16))
+        return "gap16", gaps.to(torch.int16)
     if top < 2**32:
-        return "gap32", torch.from_numpy(gaps.numpy().astype(np.uint32))
+        return "gap32", gaps.to(torch.int32)
     if int(idx.max()) < 2**31:
         return "int32", idx.to(torch.int32)
     return "int64", idx.to(torch.int64)
@@ -144,7 +208,8 @@ def _encode_indices(idx: torch.Tensor) -> tuple[str, torch.Tensor]:
 
 def _decode_indices(stored: torch.Tensor, encoding: str) -> torch.Tensor:
     if encoding in ("gap16", "gap32"):
-        return torch.from_numpy(np.cumsum(stored.numpy().astype(np.int64)) - 1)
+        mask = 0xFFFF if encoding == "gap16" else 0xFFFFFFFF
+        return torch.cumsum(stored.to(torch.int64) & mask, 0) - 1
     if encoding in ("int32", "int64"):
         return stored.to(torch.int64)
     raise PatchError(f"unknown index encoding {encoding!r}")

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from .codec import anchor_patch, encode, sparse_patch
+from .codec import Framed, Patch, anchor_patch, encode, frame, sparse_patch
 from .transport import DirectoryPublisher, DistChannel
 
 
@@ -75,23 +75,29 @@ class WeightPublisher:
     def anchor(self, version: int) -> dict[str, float]:
         """Send the whole state (the initial sync)."""
         t0 = time.perf_counter()
-        blob = encode(anchor_patch(self.params, version))
+        blob = self._wire(anchor_patch(self.params, version, to_host=self.channel is None))
         anchors = self._send(blob, version, anchor=True, anchor_blob=lambda: blob)
-        return {"sync/bytes": float(len(blob)), "sync/s": time.perf_counter() - t0, "sync/anchors": float(anchors)}
+        return {"sync/bytes": float(_nbytes(blob)), "sync/s": time.perf_counter() - t0,
+                "sync/anchors": float(anchors)}
 
     def after_step(self, version: int, changed_masks: dict[str, torch.Tensor]) -> dict[str, float]:
         t0 = time.perf_counter()
         self.syncs += 1
         full = self.cfg.mode == "full" or (self.cfg.anchor_every and self.syncs % self.cfg.anchor_every == 0)
-        patch = anchor_patch(self.params, version) if full else \
-            sparse_patch(self.params, changed_masks, version - 1, version)
-        blob = encode(patch)
-        anchors = self._send(blob, version, anchor=patch.anchor,
-                             anchor_blob=lambda: blob if patch.anchor else encode(anchor_patch(self.params, version)))
-        return {"sync/bytes": float(len(blob)), "sync/s": time.perf_counter() - t0,
+        to_host = self.channel is None  # the dist transport sends the tensors from where they are
+        patch = anchor_patch(self.params, version, to_host) if full else \
+            sparse_patch(self.params, changed_masks, version - 1, version, to_host)
+        blob = self._wire(patch)
+        anchors = self._send(blob, version, anchor=patch.anchor, anchor_blob=lambda: blob if patch.anchor else
+                             self._wire(anchor_patch(self.params, version, to_host)))
+        return {"sync/bytes": float(_nbytes(blob)), "sync/s": time.perf_counter() - t0,
                 "sync/elements_frac": patch.num_elements / self.total, "sync/anchors": float(anchors)}
 
-    def _send(self, blob: bytes, version: int, anchor: bool, anchor_blob) -> int:
+    def _wire(self, patch: Patch) -> bytes | Framed:
+        """What the transport carries: the patch framed on the device (dist), else safetensors bytes."""
+        return frame(patch) if self.channel is not None else encode(patch)
+
+    def _send(self, blob: bytes | Framed, version: int, anchor: bool, anchor_blob) -> int:
         """Deliver ``blob``; answer every anchor request. Returns the anchors sent on request."""
         from ..rollout.remote import post_json
 
@@ -113,3 +119,7 @@ class WeightPublisher:
                 post_json(f"{server.rstrip('/')}/v1/weights", anchor_blob(), self.cfg.timeout_s)
                 sent += 1
         return sent
+
+
+def _nbytes(blob: bytes | Framed) -> int:
+    return blob.nbytes if isinstance(blob, Framed) else len(blob)

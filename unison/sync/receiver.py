@@ -7,7 +7,7 @@ from collections import Counter
 
 import torch
 
-from .codec import PatchError, apply, decode
+from .codec import Framed, PatchError, apply, decode
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +27,8 @@ class Receiver:
         self.counts: Counter = Counter()
         self.last_error: str | None = None
 
-    def receive(self, blob: bytes) -> bool:
-        """True if the blob was applied."""
+    def receive(self, blob: bytes | Framed) -> bool:
+        """True if the patch (safetensors bytes, or as the torch.distributed transport frames it) was applied."""
         try:
             patch = decode(blob)
             if self.needs_anchor and not patch.anchor:

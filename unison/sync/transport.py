@@ -16,6 +16,7 @@ import fsspec
 import torch
 import torch.distributed as dist
 
+from .codec import Framed, Patch, frame
 from .receiver import Receiver
 
 
@@ -108,9 +109,9 @@ class DistChannel:
     def __init__(self, src: int = 0, group=None, device: torch.device | str = "cpu"):
         self.src, self.group, self.device = src, group, torch.device(device)
 
-    def send(self, blob: bytes, anchor=None) -> bool:
-        """Broadcast ``blob``; if any server then needs an anchor, broadcast ``anchor`` (bytes, or a callable
-        producing them). Returns whether an anchor was sent."""
+    def send(self, blob: bytes | Patch | Framed, anchor=None) -> bool:
+        """Broadcast ``blob`` (a patch goes device to device); if any server then needs an anchor, broadcast
+        ``anchor`` (bytes or a patch, or a callable producing one). Returns whether an anchor was sent."""
         self.broadcast(blob)
         if not self.anyone_needs_anchor(False):
             return False
@@ -135,19 +136,44 @@ class DistChannel:
             self.anyone_needs_anchor(receiver.needs_anchor)
         return True
 
-    def broadcast(self, blob: bytes | None, closing: bool = False) -> bytes | None:
-        n = -1 if closing else len(blob) if blob is not None else 0
-        size = torch.tensor([n], dtype=torch.int64, device=self.device)
-        dist.broadcast(size, self.src, group=self.group)
-        n = int(size.item())
-        if n < 0:
+    def broadcast(self, payload: bytes | Patch | Framed | None, closing: bool = False) -> bytes | Framed | None:
+        """The sender (rank ``src``) passes ``payload``, the others None; every rank returns what was sent: bytes,
+        or a patch as ``Framed`` with its buffer on this channel's device (moved device to device: NCCL on GPUs).
+        None once the sender closed the channel."""
+        header, data = b"", b""
+        if isinstance(payload, Patch | Framed):
+            framed = frame(payload) if isinstance(payload, Patch) else payload
+            header, data = framed.header, framed.buffer
+        elif payload is not None:
+            data = payload
+        kind = -1 if closing else 1 if header else 0
+        sizes = torch.tensor([kind, len(header), len(data) if isinstance(data, bytes) else data.numel()],
+                             dtype=torch.int64, device=self.device)
+        dist.broadcast(sizes, self.src, group=self.group)
+        kind, header_len, data_len = sizes.tolist()
+        if kind < 0:
             return None
-        if blob:
-            data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device)
+        sending = payload is not None
+        header = self._bytes(header if sending else None, header_len).cpu().numpy().tobytes() if header_len else b""
+        if isinstance(data, torch.Tensor):
+            buffer = data.to(self.device)
+            dist.broadcast(buffer, self.src, group=self.group)
         else:
-            data = torch.empty(n, dtype=torch.uint8, device=self.device)
-        dist.broadcast(data, self.src, group=self.group)
-        return blob if blob is not None else data.cpu().numpy().tobytes()
+            buffer = self._bytes(data if sending else None, data_len)
+        if kind == 1:
+            return framed if sending else Framed(header, buffer)
+        return payload if sending else buffer.cpu().numpy().tobytes()
+
+    def _bytes(self, blob: bytes | None, n: int) -> torch.Tensor:
+        """Broadcast ``n`` bytes (``blob`` on the sender) through this channel's device."""
+        if blob is not None:
+            t = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device) if n else \
+                torch.empty(0, dtype=torch.uint8, device=self.device)
+        else:
+            t = torch.empty(n, dtype=torch.uint8, device=self.device)
+        if n:
+            dist.broadcast(t, self.src, group=self.group)
+        return t
 
     def anyone_needs_anchor(self, mine: bool) -> bool:
         flag = torch.tensor([int(mine)], dtype=torch.int64, device=self.device)
