@@ -105,21 +105,21 @@ class DevicePeak:
         return self.peak / 2**30 if self._handle is not None else None
 
 
-def run_unison(checkpoint: str, prompts: list[str], new: int, steps: int, out_dir: str) -> dict:
-    from unison.rollout.loop import RolloutConfig
+def run_unison(checkpoint: str, prompts: list[str], new: int, steps: int, out_dir: str,
+               overrides: list[str]) -> dict:
+    from unison.config import load_config
     from unison.tasks import Task
-    from unison.train.config import ModelConfig, TrainConfig
+    from unison.train.config import TrainConfig
     from unison.train.loop import train
-    from unison.train.optimizer import OptimConfig
 
     rng = random.Random(0)
     task = Task("random-prompts", [{"prompt": p, "answer": ""} for p in prompts],
                 [(lambda prompts, completions, **_: [rng.random() for _ in completions], 1.0)])
-    cfg = TrainConfig(output_dir=out_dir, max_steps=steps, tensorboard=False,
-                      model=ModelConfig(name_or_path=checkpoint),
-                      rollout=RolloutConfig(group_size=GROUP, samples_per_step=len(prompts) * GROUP,
-                                            max_concurrent_rollouts=len(prompts) * GROUP, max_new_tokens=new),
-                      optim=OptimConfig(lr=LR))
+    n = len(prompts) * GROUP
+    cfg = load_config(TrainConfig, None, [
+        f"--output_dir={out_dir}", f"--max_steps={steps}", "--tensorboard=false", f"--model.name_or_path={checkpoint}",
+        f"--rollout.group_size={GROUP}", f"--rollout.samples_per_step={n}", f"--rollout.max_concurrent_rollouts={n}",
+        f"--rollout.max_new_tokens={new}", f"--optim.lr={LR}", *overrides])
     train(cfg, task)
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f][1 if steps > 1 else 0:]  # the first step compiles and captures
@@ -134,7 +134,7 @@ def run_unison(checkpoint: str, prompts: list[str], new: int, steps: int, out_di
             "step_s": [r["time/step_s"] for r in rows]}
 
 
-def run_trl_here(checkpoint: str, prompts: list[str], new: int, steps: int, out_dir: str) -> dict:
+def run_trl_here(checkpoint: str, prompts: list[str], new: int, steps: int, out_dir: str, overrides) -> dict:
     from trl_grpo import run_trl
 
     try:
@@ -156,13 +156,14 @@ def worker(args) -> None:
     result: dict = {}
     if system == "unison":
         result["ceilings"] = machine_ceilings(device)
+        result["overrides"] = args.unison_set
     if device == "cuda":  # the CUDA context, outside the measured peak for both systems
         torch.zeros(1, device=device)
         torch.cuda.empty_cache()
     run = run_unison if system == "unison" else run_trl_here
     with DevicePeak() as peak, tempfile.TemporaryDirectory() as out_dir:
         steps = args.steps if system == "unison" else args.trl_steps
-        result |= run(checkpoint, prompts, args.new, steps, out_dir) | {"steps": steps}
+        result |= run(checkpoint, prompts, args.new, steps, out_dir, args.unison_set) | {"steps": steps}
     samples = args.prompts * GROUP
     result.update(peak_gib=peak.gib, sync_s=0.0,
                   other_s=result["s_per_step"] - result["generate_s"] - result["train_s"],
@@ -202,7 +203,7 @@ def run_shape(shape: str, gpu: int | None, args, results: dict, save) -> None:
         out = os.path.join(args.workdir, f"{shape}.{system}.json")
         cmd = [sys.executable, __file__, "--worker", system, shape, checkpoint, "--worker-out", out,
                "--prompts", str(args.prompts), "--new", str(args.new), "--steps", str(args.steps),
-               "--trl-steps", str(args.trl_steps)]
+               "--trl-steps", str(args.trl_steps), *(f"--unison-set={o}" for o in args.unison_set)]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         print(f"[{shape} {system}] exit {proc.returncode} after {time.perf_counter() - t0:.0f} s", flush=True)
@@ -231,6 +232,8 @@ def main():
     p.add_argument("--new", type=int, default=512, help="completion tokens (the cap; random weights reach it)")
     p.add_argument("--steps", type=int, default=4, help="unison steps (the first is warm-up)")
     p.add_argument("--trl-steps", type=int, default=2, help="TRL steps (the first is warm-up)")
+    p.add_argument("--unison-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a unison train setting other than its default (repeatable), e.g. step.max_tokens_per_row=8192")
     p.add_argument("--workdir", default="/tmp/grpo_step")
     p.add_argument("--json", default=None)
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)

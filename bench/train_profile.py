@@ -1,0 +1,97 @@
+"""Where a colocated GRPO training step's time goes: the step at several packed-row sizes, the optimizer alone,
+and the top operators of one step under torch.profiler.
+
+    python bench/train_profile.py --json bench/results/h200/train_profile.json      # GPU, qwen3-1.7b
+    python bench/train_profile.py --device cpu --shape tiny --new 16                 # the harness
+
+The samples are one real rollout (8 prompts x G=8 of ``--new`` tokens from the engine, random rewards), as in
+``grpo_step.py``; each measurement trains on the same samples from the same weights (restored after each step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from engine import SHAPES, build
+from memory import GROUP, PROMPT_TOKENS, PROMPTS, scored_samples
+
+from unison.engine import Engine, EngineConfig, SamplingParams
+from unison.train.loss import LossConfig
+from unison.train.optimizer import OptimConfig, make_optimizer
+from unison.train.step import train_step
+
+
+def timed(device: torch.device, fn) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--shape", default="qwen3-1.7b", choices=sorted(SHAPES))
+    p.add_argument("--new", type=int, default=512)
+    p.add_argument("--rows", type=int, nargs="+", default=[4096, 8192, 16384], help="max_tokens_per_row values")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    model = build(args.shape, args.device, torch.bfloat16, "unison")
+    start = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    engine = Engine(model, EngineConfig(num_blocks=PROMPTS * GROUP * (-(-(PROMPT_TOKENS + args.new) // 16) + 1),
+                                        block_size=16, max_num_seqs=PROMPTS * GROUP, seed=0))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, model.config.vocab_size, (PROMPT_TOKENS,), generator=g).tolist()
+               for _ in range(PROMPTS)]
+    done = engine.generate(prompts, SamplingParams(max_new_tokens=args.new, n=GROUP, seed=0, stop_token_ids=()))
+    samples = scored_samples(done, torch.rand(len(done), generator=g).tolist())
+    del engine
+    opt = make_optimizer(model.named_parameters(), OptimConfig(lr=1e-6), total_steps=100)
+
+    def step(rows: int) -> dict:
+        metrics = train_step(model, opt, samples, LossConfig(), 1.0, rows, 0, 1024)
+        model.load_state_dict(start)  # the same weights for every measurement
+        return metrics
+
+    out = {"shape": args.shape, "samples": len(samples), "tokens": sum(s.num_tokens for s in samples), "rows": {}}
+    step(args.rows[0])  # warm-up
+    for rows in args.rows:
+        try:
+            seconds = min(timed(device, lambda r=rows: step(r)) for _ in range(2))
+            out["rows"][rows] = {"train_s": seconds, "peak_gib": torch.cuda.max_memory_allocated() / 2**30
+                                 if device.type == "cuda" else None}
+        except torch.OutOfMemoryError as e:
+            out["rows"][rows] = {"error": str(e)[:200]}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        print(f"max_tokens_per_row {rows}: {out['rows'][rows]}", flush=True)
+    for p_ in model.parameters():  # the optimizer alone, on gradients of the right shapes
+        p_.grad = torch.full_like(p_, 1e-4)
+    out["optimizer_s"] = min(timed(device, opt.step) for _ in range(2))
+    opt.zero_grad()
+    model.load_state_dict(start)
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        step(args.rows[0])
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=20)
+    print(table)
+    out["top_ops"] = table
+    print(f"optimizer alone {out['optimizer_s']:.3f} s; " + ", ".join(
+        f"rows {r}: {v.get('train_s', float('nan')):.3f} s" for r, v in out["rows"].items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
