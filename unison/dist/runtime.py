@@ -46,17 +46,22 @@ class Replica:
 
 def init_replicas(cfg: DistConfig, device_type: str) -> Replica | None:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, ...); None when running alone."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return None
+    device = join_torchrun(device_type, cfg.timeout_s)
+    return Replica(dist.get_rank(), dist.get_world_size(), device, dist.group.WORLD)
+
+
+def join_torchrun(device_type: str, timeout_s: float) -> torch.device:
+    """Join the process group torchrun describes (NCCL on GPUs, gloo on the CPU); returns this process's device."""
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=cfg.timeout_s))
-    return Replica(dist.get_rank(), dist.get_world_size(), device, dist.group.WORLD)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+    return device
 
 
 def reduce_metrics(metrics: dict[str, float], replica: Replica) -> dict[str, float]:

@@ -20,7 +20,6 @@ import fnmatch
 import hashlib
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -29,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from ..train.optimizer import MasterAdamW, OptimConfig
 from .data_parallel import all_reduce_grads
+from .runtime import join_torchrun
 
 PARTIAL_GRAD = "replicated_with_grad_allreduce"
 
@@ -53,13 +53,7 @@ def init_tensor_parallel(tp: int, timeout_s: float, device_type: str) -> TensorP
         raise ValueError(f"dist.tp={tp} with {world} processes: tensor parallelism spans every process for now "
                          f"(run torchrun --nproc-per-node {tp}); data-parallel replicas of tensor-parallel groups "
                          "are not implemented")
-    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
-    if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+    device = join_torchrun(device_type, timeout_s)
     mesh = init_device_mesh(device_type, (tp,), mesh_dim_names=("tp",))
     return TensorParallel(dist.get_rank(), tp, device, mesh, mesh.get_group())
 
