@@ -84,7 +84,7 @@ def worker(rank: int, world: int, port: int, args, out: str, tensor_parallel: bo
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     if tensor_parallel:
-        tp = init_tensor_parallel(world, 600.0, args.device)
+        tp, _ = init_tensor_parallel(world, 600.0, args.device)
         result = run(rank, world, args, args.prompts, tp)
     else:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world)

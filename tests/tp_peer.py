@@ -51,7 +51,7 @@ def run(model, make_optimizer) -> dict:
 
 def main():
     model_dir, out = sys.argv[1:]
-    tp = init_tensor_parallel(2, 120.0, "cpu")
+    tp, _ = init_tensor_parallel(2, 120.0, "cpu")
     model, _ = load_policy(model_dir, dtype=torch.float32, tp_mesh=tp.mesh)
     result = run(model, lambda m: TensorParallelAdamW(m, OPTIM, STEPS, tp))
     result["params"] = full_state_dict(model)

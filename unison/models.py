@@ -64,8 +64,8 @@ def load_policy(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = "a
     """Return ``(model, tokenizer)``, the model on ``attn_implementation="unison"``, in eval mode.
 
     ``dtype="auto"`` keeps the checkpoint's dtype (float32 for the converted GGUF models). ``tp_mesh`` (a 1-D
-    DeviceMesh) shards the model across its ranks by transformers' tensor-parallel plan, as
-    ``unison.dist.tensor_parallel`` adjusts it.
+    DeviceMesh) shards the model across its ranks by the model's tensor-parallel plan
+    (``unison.dist.tensor_parallel.parallelize``).
 
     >>> model, tok = load_policy()                       # doctest: +SKIP
     >>> stop_token_ids(tok, model)                        # doctest: +SKIP
@@ -74,16 +74,10 @@ def load_policy(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = "a
     folder, local_only = resolve_model(name_or_path)
     kwargs = {"local_files_only": local_only}
     tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTN_NAME, **kwargs)
     if tp_mesh is not None:
-        from transformers.distributed import DistributedConfig
-
-        from .dist.tensor_parallel import plan_overrides
-        plan = plan_overrides(AutoConfig.from_pretrained(folder, **kwargs))
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTN_NAME,
-                                                     distributed_config=DistributedConfig(tp_plan=plan),
-                                                     device_mesh=tp_mesh, **kwargs)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTN_NAME, **kwargs)
+        from .dist.tensor_parallel import parallelize
+        parallelize(model.to(device), tp_mesh)
     model.to(device).eval()
     _check_tokenizer(tokenizer, model)
     return model, tokenizer

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..train.optimizer import MasterAdamW, OptimConfig, _AdamState, changed_bits
+from .runtime import local
 
 
 def global_sum(value: float, group=None, device: torch.device | str = "cpu") -> float:
@@ -29,7 +30,8 @@ def all_reduce_grads(params: list[torch.nn.Parameter], group=None) -> None:
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+            grad = local(p.grad)  # under tensor parallelism: this rank's shard, summed with the same shard elsewhere
+            by_dtype.setdefault(grad.dtype, []).append(grad)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)

@@ -21,7 +21,8 @@ import torch.distributed as dist
 @dataclass
 class DistConfig:
     tp: int = 1
-    """Tensor-parallel degree: > 1 shards the model across that many processes (all of torchrun's, for now)."""
+    """Tensor-parallel degree: > 1 shards the model across groups of that many processes; torchrun's N processes
+    make N / tp data-parallel replicas."""
     timeout_s: float = 300.0
     """A collective that waits longer than this fails the run: a dead replica is reported, not waited on."""
 
@@ -64,6 +65,11 @@ def join_torchrun(device_type: str, timeout_s: float) -> torch.device:
     return device
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a tensor-parallel parameter or gradient (a DTensor; the same memory), else ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def reduce_metrics(metrics: dict[str, float], replica: Replica) -> dict[str, float]:
     """Every replica's metrics in one dict: maxima as maxima, token and row counts summed, the rest averaged."""
     gathered: list[dict] = [None] * replica.world
@@ -86,7 +92,7 @@ def check_replicas_agree(model: torch.nn.Module, replica: Replica) -> None:
     """Raise if any replica's parameters differ from rank 0's (they must be identical after every step)."""
     from ..sync.codec import checksum
 
-    mine = {name: checksum(p) for name, p in model.named_parameters()}
+    mine = {name: checksum(local(p)) for name, p in model.named_parameters()}
     gathered: list[dict] = [None] * replica.world
     dist.all_gather_object(gathered, mine, group=replica.group)
     bad = [rank for rank, other in enumerate(gathered) if other != gathered[0]]

@@ -1,17 +1,20 @@
 """Tensor parallelism: the model sharded by transformers' own plan (DTensor over a ``tp`` DeviceMesh axis).
 
-``torchrun --nproc-per-node T -m unison train --dist.tp=T``: every rank holds 1/T of each attention and MLP
-projection (column-wise in, row-wise out, one all-reduce per block), the KV heads of its share of the attention
-heads, and the whole vocabulary projection and embedding (replicated), so the engine's and the trainer's chunked
-fp32-output lm_head works unchanged. Every rank runs the same engine steps and training steps in the same order
+``torchrun --nproc-per-node N -m unison train --dist.tp=T``: N / T data-parallel replicas, each T ranks that hold
+one model between them (a (dp, tp) DeviceMesh). ``parallelize`` applies the transformers plan of the model's family
+with torch's own tensor-parallel styles: every rank of a replica holds 1/T of each attention and MLP projection
+(column-wise in, row-wise out, one all-reduce per block), the KV heads of its share of the attention heads, and the
+whole vocabulary projection and embedding (replicated), so the engine's and the trainer's chunked fp32-output
+lm_head works unchanged. Every rank runs the same engine steps and training steps in the same order
 from one host thread, so the collectives inside the forwards always match; the ranks sample the same tokens
 because their logits are the same all-reduced values. Rewards are computed once, on rank 0, and broadcast.
 
-Two rules of transformers' plans change here. Embedding and lm_head are replicated instead of vocabulary-sharded.
+Two rules of transformers' plans change here. Embedding and lm_head stay replicated instead of vocabulary-sharded.
 Norms that see one rank's heads only (Qwen3's ``q_norm``/``k_norm``: "replicated_with_grad_allreduce") are plain
-replicated parameters whose partial gradients ``TensorParallelAdamW`` sums once per optimizer step: transformers'
-own hook all-reduces the accumulated gradient after every backward, which double-counts under gradient
-accumulation (one backward per packed row).
+replicated parameters whose partial gradients ``TensorParallelAdamW`` sums once per optimizer step (transformers'
+own hook for them all-reduces the accumulated gradient after every backward, which double-counts under gradient
+accumulation: one backward per packed row). transformers' own loader is not used for the sharding because it
+insists that the tensor-parallel size be the whole world.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ..train.optimizer import MasterAdamW, OptimConfig
 from .data_parallel import all_reduce_grads
-from .runtime import join_torchrun
+from .runtime import Replica, join_torchrun, local
 
 PARTIAL_GRAD = "replicated_with_grad_allreduce"
 
@@ -46,26 +50,40 @@ class TensorParallel:
         return self.rank == 0
 
 
-def init_tensor_parallel(tp: int, timeout_s: float, device_type: str) -> TensorParallel:
-    """Join torchrun's process group with every rank on one ``tp`` mesh axis."""
+def init_tensor_parallel(tp: int, timeout_s: float, device_type: str) -> tuple[TensorParallel, Replica | None]:
+    """Join torchrun's process group on a (``dp``, ``tp``) mesh: WORLD_SIZE / tp data-parallel replicas, each a
+    tensor-parallel group of ``tp`` consecutive ranks. Returns this rank's place on the ``tp`` axis, and on the
+    ``dp`` axis (None with a single replica)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != tp:
-        raise ValueError(f"dist.tp={tp} with {world} processes: tensor parallelism spans every process for now "
-                         f"(run torchrun --nproc-per-node {tp}); data-parallel replicas of tensor-parallel groups "
-                         "are not implemented")
+    if world % tp:
+        raise ValueError(f"dist.tp={tp} does not divide the {world} processes torchrun started")
     device = join_torchrun(device_type, timeout_s)
-    mesh = init_device_mesh(device_type, (tp,), mesh_dim_names=("tp",))
-    return TensorParallel(dist.get_rank(), tp, device, mesh, mesh.get_group())
+    mesh = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
+    group = TensorParallel(tp_mesh.get_local_rank(), tp, device, tp_mesh, tp_mesh.get_group())
+    replica = Replica(dp_mesh.get_local_rank(), world // tp, device, dp_mesh.get_group()) if world > tp else None
+    return group, replica
 
 
-def plan_overrides(config) -> dict[str, str]:
-    """Overrides of the model's tensor-parallel plan (see the module docstring)."""
-    base = getattr(config.get_text_config(), "base_model_tp_plan", None) or {}
+def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """Shard ``model`` in place over the 1-D ``mesh`` by the transformers plan of its family (``colwise`` and
+    ``rowwise`` projections as torch's ``ColwiseParallel``/``RowwiseParallel``; see the module docstring for what
+    stays replicated). Sets ``model.unison_tp_size``."""
+    base = getattr(model.config.get_text_config(), "base_model_tp_plan", None) or {}
     if not base:
-        raise ValueError(f"{config.model_type}: transformers has no tensor-parallel plan for this model")
-    overrides = {"lm_head": "replicate", "model.embed_tokens": "replicate"}
-    overrides |= {f"model.{key}": "replicate" for key, style in base.items() if style == PARTIAL_GRAD}
-    return overrides
+        raise ValueError(f"{model.config.model_type}: transformers has no tensor-parallel plan for this model")
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    unknown = {style for style in base.values() if style not in styles and style != PARTIAL_GRAD}
+    if unknown:
+        raise ValueError(f"{model.config.model_type}: tensor-parallel styles {sorted(unknown)} are not supported")
+    plan = {}
+    for name, _ in model.named_modules():
+        for pattern, style in base.items():
+            if style in styles and fnmatch.fnmatch(name, f"model.{pattern}"):
+                plan[name] = styles[style]()
+    parallelize_module(model, mesh, plan)
+    model.unison_tp_size = mesh.size()
+    return model
 
 
 def partial_grad_names(model: torch.nn.Module) -> list[str]:
@@ -74,11 +92,6 @@ def partial_grad_names(model: torch.nn.Module) -> list[str]:
     patterns = [f"model.{key}" for key, style in base.items() if style == PARTIAL_GRAD]
     return [name for name, _ in model.named_parameters()
             if any(fnmatch.fnmatch(name.rsplit(".", 1)[0], p) for p in patterns)]
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (the same memory), or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class TensorParallelAdamW(MasterAdamW):

@@ -54,8 +54,8 @@ class Engine:
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        # Under tensor parallelism (transformers' tp_plan) each rank holds the K/V of its share of the heads.
-        tp = getattr(model, "tp_size", None) or 1
+        # Under tensor parallelism (unison.dist.tensor_parallel) each rank holds the K/V of its share of the heads.
+        tp = getattr(model, "unison_tp_size", 1)
         if kv_heads % tp:
             raise ValueError(f"{text.model_type}: {kv_heads} KV heads do not split across tensor-parallel size {tp}")
         kv_heads //= tp

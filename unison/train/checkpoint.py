@@ -19,26 +19,20 @@ from unison.engine.attention import ATTN_NAME
 _ATTN_KEYS = ("attn_implementation", "_attn_implementation", "_attn_implementation_internal")
 
 
-def save_hf_checkpoint(model: Any, tokenizer: Any | None, path: str, is_main_process: bool = True) -> str:
-    """Save ``model`` (safetensors, tied weights stored once) and ``tokenizer`` to the directory ``path``.
-
-    A tensor-parallel model is saved by every rank calling this: all help gather the full weights, only the one
-    with ``is_main_process`` writes.
+def save_hf_checkpoint(model: Any, tokenizer: Any | None, path: str, state_dict: dict | None = None) -> str:
+    """Save ``model`` (safetensors, tied weights stored once) and ``tokenizer`` to the directory ``path``;
+    ``state_dict`` replaces the model's own (a tensor-parallel model's weights, gathered whole).
 
     Atomic: everything is written to a temporary sibling directory that is renamed to ``path`` at the end,
     so ``path`` never holds half a checkpoint; an existing checkpoint there is replaced only once the new
     one is complete. Returns ``path``.
     """
     path = os.path.abspath(path)
-    if not is_main_process:
-        with tempfile.TemporaryDirectory() as unused:
-            model.save_pretrained(unused, is_main_process=False)
-        return path
     parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)  # same filesystem: rename is atomic
     try:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=state_dict)
         _drop_attn_implementation(os.path.join(tmp, "config.json"))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

@@ -21,6 +21,7 @@ from ..dist.tensor_parallel import (
     TensorParallel,
     TensorParallelAdamW,
     check_ranks_agree,
+    full_state_dict,
     init_tensor_parallel,
     replicated_agree,
 )
@@ -49,8 +50,8 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     tp = replica = None
-    if cfg.dist.tp > 1:  # every rank holds a shard of one model and rolls out the same samples
-        tp = init_tensor_parallel(cfg.dist.tp, cfg.dist.timeout_s, torch.device(device).type)
+    if cfg.dist.tp > 1:  # the ranks of a replica hold a shard each of one model and roll out the same samples
+        tp, replica = init_tensor_parallel(cfg.dist.tp, cfg.dist.timeout_s, torch.device(device).type)
         device, cfg = str(tp.device), _tensor_parallel(cfg)
     else:
         replica = init_replicas(cfg.dist, torch.device(device).type)
@@ -98,7 +99,7 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
         rollout.scorer = BroadcastScorer(rollout.scorer, tp)  # rewards run once, on rank 0
     start = 1
     if cfg.resume:
-        saved = load_trainer_state(cfg.resume, _rank(replica, tp))
+        saved = load_trainer_state(cfg.resume, dist.get_rank() if dist.is_initialized() else 0)
         optimizer.load_state_dict(saved["optimizer"])
         rollout.load_state_dict(saved["rollout"])
         random.setstate(saved["python_rng"])
@@ -145,8 +146,7 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s_step=f"{metrics['time/step_s']:.1f}",
                             gen_tok_s=f"{metrics['rollout/tokens_per_s']:.0f}")
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
-            _save(os.path.join(cfg.output_dir, f"checkpoint-{step}"), step, model, tokenizer, optimizer, rollout,
-                  replica, tp)
+            _save(os.path.join(cfg.output_dir, f"checkpoint-{step}"), step, model, tokenizer, optimizer, rollout, tp)
 
     if publisher is not None:
         publisher.close()
@@ -154,8 +154,7 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
         check_replicas_agree(model, replica)
     if tp is not None:
         replicated_agree(model, tp)
-    _save(os.path.join(cfg.output_dir, "checkpoint"), cfg.max_steps, model, tokenizer, optimizer, rollout, replica,
-          tp)
+    _save(os.path.join(cfg.output_dir, "checkpoint"), cfg.max_steps, model, tokenizer, optimizer, rollout, tp)
     if replica is not None or tp is not None:
         dist.destroy_process_group()
     if main:
@@ -165,24 +164,19 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     return metrics
 
 
-def _save(path: str, step: int, model, tokenizer, optimizer, rollout: RolloutLoop, replica: Replica | None,
-          tp: TensorParallel | None) -> None:
+def _save(path: str, step: int, model, tokenizer, optimizer, rollout: RolloutLoop, tp: TensorParallel | None
+          ) -> None:
     """The HF checkpoint (rank 0; under tensor parallelism every rank helps gather the full weights), then every
     rank's trainer state beside it, for ``resume``."""
-    if tp is not None:
-        save_hf_checkpoint(model, tokenizer, path, is_main_process=tp.is_main)
-    elif replica is None or replica.is_main:
-        save_hf_checkpoint(model, tokenizer, path)
-    group = replica.group if replica is not None else tp.group if tp is not None else None
-    if group is not None:
-        dist.barrier(group=group)  # the directory exists before the other ranks write into it
-    save_trainer_state(path, _rank(replica, tp),
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    state = full_state_dict(model) if tp is not None else None  # a collective: every rank of a replica gathers
+    if rank == 0:
+        save_hf_checkpoint(model, tokenizer, path, state)
+    if dist.is_initialized():
+        dist.barrier()  # the directory exists before the other ranks write into it
+    save_trainer_state(path, rank,
                        {"step": step, "optimizer": optimizer.state_dict(), "rollout": rollout.state_dict(),
                         "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()})
-
-
-def _rank(replica: Replica | None, tp: TensorParallel | None) -> int:
-    return replica.rank if replica is not None else tp.rank if tp is not None else 0
 
 
 def _tensor_parallel(cfg: TrainConfig) -> TrainConfig:
