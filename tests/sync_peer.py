@@ -35,11 +35,12 @@ def faulty(patch: Patch, kind: str | None, step: int, framed: bool) -> bytes | F
     if kind == "drop":
         return None
     if kind == "corrupt":
-        if framed:  # bytes in the middle of the tensor buffer
+        if framed:  # bytes in the middle of the largest tensor
             f = frame(patch)
-            buffer = f.buffer.clone()
-            buffer[buffer.numel() // 2:buffer.numel() // 2 + 16] = 0
-            return Framed(f.header, buffer)
+            parts = [part.clone() for part in f.parts]
+            big = max(parts, key=lambda part: part.numel())
+            big[big.numel() // 2:big.numel() // 2 + 16] = 0
+            return Framed(f.header, parts)
         blob = encode(patch)
         return blob[: len(blob) // 2] + bytes(16) + blob[len(blob) // 2 + 16:]
     if kind == "base":

@@ -172,7 +172,7 @@ def test_framed_patches_round_trip_and_reject_bad_headers():
     train_one(model, opt, 0)
     for patch in (sparse_patch(params, opt.changed_masks, 0, 1, to_host=False), anchor_patch(params, 1)):
         framed = frame(patch)
-        assert framed.buffer.dtype == torch.uint8 and framed.nbytes < len(encode(patch)) + 4096
+        assert all(part.dtype == torch.uint8 for part in framed.parts) and framed.nbytes < len(encode(patch)) + 4096
         back = decode(framed)
         assert (back.base_version, back.version, back.anchor, back.checksums) == \
             (patch.base_version, patch.version, patch.anchor, patch.checksums)
@@ -181,8 +181,10 @@ def test_framed_patches_round_trip_and_reject_bad_headers():
             if not patch.anchor:
                 assert torch.equal(back.indices[name], patch.indices[name]), name
     header = json.loads(framed.header)
-    header["tensors"][0][3] = framed.buffer.numel()  # past the end of the buffer
-    with pytest.raises(PatchError, match="do not fit"):
-        decode(Framed(json.dumps(header).encode(), framed.buffer))
+    header["tensors"][0][2] = [header["tensors"][0][2][0] + 1, *header["tensors"][0][2][1:]]  # more than arrived
+    with pytest.raises(PatchError, match="does not fit"):
+        decode(Framed(json.dumps(header).encode(), framed.parts))
+    with pytest.raises(PatchError, match="arrived"):
+        decode(Framed(framed.header, framed.parts[:-1]))
     with pytest.raises(PatchError, match="unreadable"):
-        decode(Framed(b"{not json", framed.buffer))
+        decode(Framed(b"{not json", framed.parts))

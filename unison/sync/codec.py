@@ -8,7 +8,7 @@ it must be afterwards, so a receiver proves it holds the trainer's weights. Keys
 (sparse), ``<name>`` (anchor); the metadata says the rest.
 
 Two framings of the same content: a safetensors file (``encode``: bytes, for directories, buckets and HTTP), and
-``Framed`` (``frame``: a JSON header and one flat uint8 tensor on the device the patch lives on), which the
+``Framed`` (``frame``: a JSON header and each tensor's bytes where the patch lives), which the
 ``torch.distributed`` transport broadcasts device to device, never through host memory.
 """
 
@@ -27,7 +27,6 @@ from safetensors.torch import save as st_save
 from ..train.optimizer import as_bits
 
 FORMAT = "unison-patch-2"
-_ALIGN = 16  # bytes: every tensor of a Framed buffer starts at a multiple, so it can be viewed in place
 
 
 class PatchError(ValueError):
@@ -97,13 +96,14 @@ def anchor_patch(params: dict[str, torch.Tensor], version: int, to_host: bool = 
 @dataclass
 class Framed:
     """A patch as the ``torch.distributed`` transport carries it: ``header`` (JSON: the metadata and each tensor's
-    key, dtype, shape and byte offset) and ``buffer``, every tensor's bytes in one flat uint8 tensor."""
+    key, dtype and shape) and ``parts``, each tensor's bytes as a flat uint8 tensor, in the header's order. No
+    concatenation: framing an anchor costs no memory (its parts are views of the parameters)."""
     header: bytes
-    buffer: torch.Tensor
+    parts: list[torch.Tensor]
 
     @property
     def nbytes(self) -> int:
-        return len(self.header) + self.buffer.numel()
+        return len(self.header) + sum(part.numel() for part in self.parts)
 
 
 def encode(patch: Patch) -> bytes:
@@ -112,20 +112,11 @@ def encode(patch: Patch) -> bytes:
 
 
 def frame(patch: Patch) -> Framed:
-    """The patch's tensors packed into one buffer where they live (no copy through host memory)."""
+    """The patch's tensors as byte views where they live (no copy through host memory)."""
     tensors, meta = _contents(patch)
-    entries, parts, offset = [], [], 0
-    for key, t in tensors.items():
-        flat = t.reshape(-1).view(torch.uint8)
-        entries.append([key, str(t.dtype).removeprefix("torch."), list(t.shape), offset])
-        parts.append(flat)
-        pad = -flat.numel() % _ALIGN
-        if pad:
-            parts.append(flat.new_zeros(pad))
-        offset += flat.numel() + pad
-    device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-    buffer = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
-    return Framed(json.dumps({"meta": meta, "tensors": entries}).encode(), buffer)
+    entries = [[key, str(t.dtype).removeprefix("torch."), list(t.shape)] for key, t in tensors.items()]
+    parts = [t.reshape(-1).view(torch.uint8) for t in tensors.values()]
+    return Framed(json.dumps({"meta": meta, "tensors": entries}).encode(), parts)
 
 
 def decode(payload: bytes | Framed) -> Patch:
@@ -173,16 +164,16 @@ _DTYPES = {name: getattr(torch, name) for name in ("bfloat16", "float16", "float
 
 def _unframe(framed: Framed) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     header = json.loads(framed.header)
+    if len(header["tensors"]) != len(framed.parts):
+        raise PatchError(f"the header lists {len(header['tensors'])} tensors, {len(framed.parts)} arrived")
     tensors = {}
-    for key, dtype_name, shape, offset in header["tensors"]:
+    for (key, dtype_name, shape), part in zip(header["tensors"], framed.parts, strict=True):
         dtype = _DTYPES.get(dtype_name)
         if dtype is None:
             raise PatchError(f"{key}: unsupported dtype {dtype_name!r}")
-        nbytes = math.prod(shape) * dtype.itemsize
-        if offset < 0 or offset % _ALIGN or offset + nbytes > framed.buffer.numel():
-            raise PatchError(f"{key}: {nbytes} bytes at offset {offset} do not fit a {framed.buffer.numel()}-byte "
-                             "buffer")
-        tensors[key] = framed.buffer[offset:offset + nbytes].view(dtype).reshape(shape)
+        if math.prod(shape) * dtype.itemsize != part.numel():
+            raise PatchError(f"{key}: {dtype_name}{shape} does not fit the {part.numel()} bytes that arrived")
+        tensors[key] = part.view(dtype).reshape(shape)
     return header["meta"], tensors
 
 

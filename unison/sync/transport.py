@@ -138,31 +138,40 @@ class DistChannel:
 
     def broadcast(self, payload: bytes | Patch | Framed | None, closing: bool = False) -> bytes | Framed | None:
         """The sender (rank ``src``) passes ``payload``, the others None; every rank returns what was sent: bytes,
-        or a patch as ``Framed`` with its buffer on this channel's device (moved device to device: NCCL on GPUs).
-        None once the sender closed the channel."""
-        header, data = b"", b""
-        if isinstance(payload, Patch | Framed):
-            framed = frame(payload) if isinstance(payload, Patch) else payload
-            header, data = framed.header, framed.buffer
-        elif payload is not None:
-            data = payload
-        kind = -1 if closing else 1 if header else 0
-        sizes = torch.tensor([kind, len(header), len(data) if isinstance(data, bytes) else data.numel()],
-                             dtype=torch.int64, device=self.device)
+        or a patch as ``Framed`` with its parts on this channel's device (moved device to device, one tensor at a
+        time: NCCL on GPUs). None once the sender closed the channel."""
+        sending = payload is not None
+        framed = frame(payload) if isinstance(payload, Patch) else payload if isinstance(payload, Framed) else None
+        header = framed.header if framed is not None else b""
+        if framed is not None:
+            lengths = [part.numel() for part in framed.parts]
+        else:
+            lengths = [len(payload)] if sending else []
+        kind = -1 if closing else 1 if framed is not None else 0
+        sizes = torch.tensor([kind, len(header), len(lengths)], dtype=torch.int64, device=self.device)
         dist.broadcast(sizes, self.src, group=self.group)
-        kind, header_len, data_len = sizes.tolist()
+        kind, header_len, count = sizes.tolist()
         if kind < 0:
             return None
-        sending = payload is not None
-        header = self._bytes(header if sending else None, header_len).cpu().numpy().tobytes() if header_len else b""
-        if isinstance(data, torch.Tensor):
-            buffer = data.to(self.device)
-            dist.broadcast(buffer, self.src, group=self.group)
-        else:
-            buffer = self._bytes(data if sending else None, data_len)
-        if kind == 1:
-            return framed if sending else Framed(header, buffer)
-        return payload if sending else buffer.cpu().numpy().tobytes()
+        if not sending:
+            header = self._bytes(None, header_len).cpu().numpy().tobytes() if header_len else b""
+        elif header_len:
+            self._bytes(header, header_len)
+        lengths_t = torch.tensor(lengths or [0] * count, dtype=torch.int64, device=self.device)
+        if count:
+            dist.broadcast(lengths_t, self.src, group=self.group)
+        if kind == 0:
+            if sending:
+                self._bytes(payload, lengths[0])
+                return payload
+            return self._bytes(None, int(lengths_t[0])).cpu().numpy().tobytes()
+        parts = []
+        for i, n in enumerate(lengths_t.tolist()):
+            part = framed.parts[i].to(self.device) if sending else torch.empty(n, dtype=torch.uint8, device=self.device)
+            if n:
+                dist.broadcast(part, self.src, group=self.group)
+            parts.append(part)
+        return framed if sending else Framed(header, parts)
 
     def _bytes(self, blob: bytes | None, n: int) -> torch.Tensor:
         """Broadcast ``n`` bytes (``blob`` on the sender) through this channel's device."""
