@@ -33,6 +33,7 @@ from memory import GROUP, scored_samples
 from unison.engine import Engine, EngineConfig, SamplingParams
 from unison.rollout.sample import Sample
 from unison.sync import Framed, Receiver, anchor_patch, apply, decode, encode, frame, sparse_patch
+from unison.sync.codec import payload_nbytes
 from unison.sync.masks import adamw_inversion_mask
 from unison.sync.transport import DistChannel
 from unison.train.loss import LossConfig
@@ -68,7 +69,7 @@ def timed_send(channel: DistChannel, make_blob) -> tuple[float, int]:
     blob = make_blob()
     channel.broadcast(blob)
     channel.anyone_needs_anchor(False)  # returns once the server applied and verified it
-    return time.perf_counter() - t0, blob.nbytes if isinstance(blob, Framed) else len(blob)
+    return time.perf_counter() - t0, payload_nbytes(blob)
 
 
 def trainer(args, device: torch.device, channel: DistChannel, save) -> list[dict]:

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from ..train.optimizer import MasterAdamW, OptimConfig, _AdamState, changed_bits
+from ..train.optimizer import MasterAdamW, OptimConfig, _AdamState, changed_bits, trainable
 from .runtime import local
 
 
@@ -59,14 +59,9 @@ class ShardedAdamW(MasterAdamW):
                  group=None):
         self.group = group
         self.rank = dist.get_rank(group)
-        named = list(named_params)
-        seen, unique = set(), []
-        for name, p in named:
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                unique.append((name, p))
-        self.owner = assign_owners(unique, dist.get_world_size(group))
-        super().__init__(named, cfg, total_steps)
+        params = trainable(named_params)
+        self.owner = assign_owners(list(params.items()), dist.get_world_size(group))
+        super().__init__(params.items(), cfg, total_steps)
 
     def _new_state(self, name: str, param: torch.nn.Parameter) -> _AdamState | None:
         return super()._new_state(name, param) if self.owner[name] == self.rank else None

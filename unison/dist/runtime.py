@@ -88,13 +88,19 @@ def reduce_metrics(metrics: dict[str, float], replica: Replica) -> dict[str, flo
     return out
 
 
+def agree_with_rank0(value, ranks: Replica, what: str) -> None:
+    """Raise if any rank of ``ranks`` holds another ``value`` (any picklable) than its rank 0: ``what`` names the
+    ranks and the value in the error."""
+    gathered: list = [None] * ranks.world
+    dist.all_gather_object(gathered, value, group=ranks.group)
+    bad = [rank for rank, other in enumerate(gathered) if other != gathered[0]]
+    if bad:
+        raise RuntimeError(what.format(bad))
+
+
 def check_replicas_agree(model: torch.nn.Module, replica: Replica) -> None:
     """Raise if any replica's parameters differ from rank 0's (they must be identical after every step)."""
     from ..sync.codec import checksum
 
-    mine = {name: checksum(local(p)) for name, p in model.named_parameters()}
-    gathered: list[dict] = [None] * replica.world
-    dist.all_gather_object(gathered, mine, group=replica.group)
-    bad = [rank for rank, other in enumerate(gathered) if other != gathered[0]]
-    if bad:
-        raise RuntimeError(f"data-parallel replicas {bad} hold parameters that differ from rank 0's")
+    agree_with_rank0({name: checksum(local(p)) for name, p in model.named_parameters()}, replica,
+                     "data-parallel replicas {} hold parameters that differ from rank 0's")

@@ -32,22 +32,15 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from ..train.optimizer import MasterAdamW, OptimConfig
 from .data_parallel import all_reduce_grads
-from .runtime import Replica, join_torchrun, local
+from .runtime import Replica, agree_with_rank0, join_torchrun, local
 
 PARTIAL_GRAD = "replicated_with_grad_allreduce"
 
 
 @dataclass
-class TensorParallel:
-    rank: int
-    world: int
-    device: torch.device
-    mesh: DeviceMesh
-    group: object
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+class TensorParallel(Replica):
+    """This rank's place in its tensor-parallel group (``rank`` and ``world`` along the ``tp`` mesh axis)."""
+    mesh: DeviceMesh = None
 
 
 def init_tensor_parallel(tp: int, timeout_s: float, device_type: str) -> tuple[TensorParallel, Replica | None]:
@@ -60,16 +53,21 @@ def init_tensor_parallel(tp: int, timeout_s: float, device_type: str) -> tuple[T
     device = join_torchrun(device_type, timeout_s)
     mesh = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
     tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
-    group = TensorParallel(tp_mesh.get_local_rank(), tp, device, tp_mesh, tp_mesh.get_group())
+    group = TensorParallel(tp_mesh.get_local_rank(), tp, device, tp_mesh.get_group(), tp_mesh)
     replica = Replica(dp_mesh.get_local_rank(), world // tp, device, dp_mesh.get_group()) if world > tp else None
     return group, replica
+
+
+def _base_plan(model: torch.nn.Module) -> dict[str, str]:
+    """transformers' tensor-parallel plan of the model's family: module pattern (under ``model.``) -> style."""
+    return getattr(model.config.get_text_config(), "base_model_tp_plan", None) or {}
 
 
 def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
     """Shard ``model`` in place over the 1-D ``mesh`` by the transformers plan of its family (``colwise`` and
     ``rowwise`` projections as torch's ``ColwiseParallel``/``RowwiseParallel``; see the module docstring for what
     stays replicated). Sets ``model.unison_tp_size``."""
-    base = getattr(model.config.get_text_config(), "base_model_tp_plan", None) or {}
+    base = _base_plan(model)
     if not base:
         raise ValueError(f"{model.config.model_type}: transformers has no tensor-parallel plan for this model")
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -88,8 +86,7 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
 
 def partial_grad_names(model: torch.nn.Module) -> list[str]:
     """Parameters whose gradient on each rank covers only that rank's heads (to be summed across ranks)."""
-    base = getattr(model.config.get_text_config(), "base_model_tp_plan", None) or {}
-    patterns = [f"model.{key}" for key, style in base.items() if style == PARTIAL_GRAD]
+    patterns = [f"model.{key}" for key, style in _base_plan(model).items() if style == PARTIAL_GRAD]
     return [name for name, _ in model.named_parameters()
             if any(fnmatch.fnmatch(name.rsplit(".", 1)[0], p) for p in patterns)]
 
@@ -133,11 +130,7 @@ def digest(samples) -> str:
 def check_ranks_agree(samples, tp: TensorParallel) -> None:
     """Raise if any rank rolled out other samples than rank 0 (a divergence would desynchronise the
     collectives of the next forward)."""
-    gathered: list[str] = [None] * tp.world
-    dist.all_gather_object(gathered, digest(samples), group=tp.group)
-    bad = [rank for rank, d in enumerate(gathered) if d != gathered[0]]
-    if bad:
-        raise RuntimeError(f"tensor-parallel ranks {bad} rolled out other samples than rank 0")
+    agree_with_rank0(digest(samples), tp, "tensor-parallel ranks {} rolled out other samples than rank 0")
 
 
 class BroadcastScorer:
@@ -161,9 +154,5 @@ def replicated_agree(model: torch.nn.Module, tp: TensorParallel) -> None:
     """Raise if a replicated parameter differs from rank 0's (they must stay identical)."""
     from ..sync.codec import checksum
 
-    mine = {name: checksum(p) for name, p in model.named_parameters() if not isinstance(p, DTensor)}
-    gathered: list[dict] = [None] * tp.world
-    dist.all_gather_object(gathered, mine, group=tp.group)
-    bad = [rank for rank, other in enumerate(gathered) if other != gathered[0]]
-    if bad:
-        raise RuntimeError(f"tensor-parallel ranks {bad} hold replicated parameters that differ from rank 0's")
+    agree_with_rank0({name: checksum(p) for name, p in model.named_parameters() if not isinstance(p, DTensor)}, tp,
+                     "tensor-parallel ranks {} hold replicated parameters that differ from rank 0's")

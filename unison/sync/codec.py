@@ -106,6 +106,11 @@ class Framed:
         return len(self.header) + sum(part.numel() for part in self.parts)
 
 
+def payload_nbytes(payload: bytes | Framed) -> int:
+    """What a patch costs on the wire, in either framing."""
+    return payload.nbytes if isinstance(payload, Framed) else len(payload)
+
+
 def encode(patch: Patch) -> bytes:
     tensors, meta = _contents(patch)
     return st_save({k: v.cpu() for k, v in tensors.items()}, metadata=meta)

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from .codec import Framed, Patch, anchor_patch, encode, frame, sparse_patch
+from .codec import Framed, Patch, anchor_patch, encode, frame, payload_nbytes, sparse_patch
 from .transport import DirectoryPublisher, DistChannel
 
 
@@ -77,7 +77,7 @@ class WeightPublisher:
         t0 = time.perf_counter()
         blob = self._wire(anchor_patch(self.params, version, to_host=self.channel is None))
         anchors = self._send(blob, version, anchor=True, anchor_blob=lambda: blob)
-        return {"sync/bytes": float(_nbytes(blob)), "sync/s": time.perf_counter() - t0,
+        return {"sync/bytes": float(payload_nbytes(blob)), "sync/s": time.perf_counter() - t0,
                 "sync/anchors": float(anchors)}
 
     def after_step(self, version: int, changed_masks: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -90,7 +90,7 @@ class WeightPublisher:
         blob = self._wire(patch)
         anchors = self._send(blob, version, anchor=patch.anchor, anchor_blob=lambda: blob if patch.anchor else
                              self._wire(anchor_patch(self.params, version, to_host)))
-        return {"sync/bytes": float(_nbytes(blob)), "sync/s": time.perf_counter() - t0,
+        return {"sync/bytes": float(payload_nbytes(blob)), "sync/s": time.perf_counter() - t0,
                 "sync/elements_frac": patch.num_elements / self.total, "sync/anchors": float(anchors)}
 
     def _wire(self, patch: Patch) -> bytes | Framed:
@@ -119,7 +119,3 @@ class WeightPublisher:
                 post_json(f"{server.rstrip('/')}/v1/weights", anchor_blob(), self.cfg.timeout_s)
                 sent += 1
         return sent
-
-
-def _nbytes(blob: bytes | Framed) -> int:
-    return blob.nbytes if isinstance(blob, Framed) else len(blob)

@@ -139,50 +139,40 @@ class DistChannel:
     def broadcast(self, payload: bytes | Patch | Framed | None, closing: bool = False) -> bytes | Framed | None:
         """The sender (rank ``src``) passes ``payload``, the others None; every rank returns what was sent: bytes,
         or a patch as ``Framed`` with its parts on this channel's device (moved device to device, one tensor at a
-        time: NCCL on GPUs). None once the sender closed the channel."""
+        time: NCCL on GPUs). None once the sender closed the channel.
+
+        On the wire: [kind, number of parts], the parts' lengths, then each part; bytes are one part, a framed
+        patch its header and then its tensors."""
         sending = payload is not None
-        framed = frame(payload) if isinstance(payload, Patch) else payload if isinstance(payload, Framed) else None
-        header = framed.header if framed is not None else b""
-        if framed is not None:
-            lengths = [part.numel() for part in framed.parts]
+        if isinstance(payload, Patch):
+            payload = frame(payload)
+        framed = isinstance(payload, Framed)
+        if framed:
+            parts = [self._tensor(payload.header), *(part.to(self.device) for part in payload.parts)]
         else:
-            lengths = [len(payload)] if sending else []
-        kind = -1 if closing else 1 if framed is not None else 0
-        sizes = torch.tensor([kind, len(header), len(lengths)], dtype=torch.int64, device=self.device)
-        dist.broadcast(sizes, self.src, group=self.group)
-        kind, header_len, count = sizes.tolist()
+            parts = [self._tensor(payload)] if sending else []
+        head = torch.tensor([-1 if closing else int(framed), len(parts)], dtype=torch.int64, device=self.device)
+        dist.broadcast(head, self.src, group=self.group)
+        kind, count = head.tolist()
         if kind < 0:
             return None
+        lengths = torch.tensor([part.numel() for part in parts] if sending else [0] * count, dtype=torch.int64,
+                               device=self.device)
+        dist.broadcast(lengths, self.src, group=self.group)
         if not sending:
-            header = self._bytes(None, header_len).cpu().numpy().tobytes() if header_len else b""
-        elif header_len:
-            self._bytes(header, header_len)
-        lengths_t = torch.tensor(lengths or [0] * count, dtype=torch.int64, device=self.device)
-        if count:
-            dist.broadcast(lengths_t, self.src, group=self.group)
-        if kind == 0:
-            if sending:
-                self._bytes(payload, lengths[0])
-                return payload
-            return self._bytes(None, int(lengths_t[0])).cpu().numpy().tobytes()
-        parts = []
-        for i, n in enumerate(lengths_t.tolist()):
-            part = framed.parts[i].to(self.device) if sending else torch.empty(n, dtype=torch.uint8, device=self.device)
-            if n:
+            parts = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in lengths.tolist()]
+        for part in parts:
+            if part.numel():
                 dist.broadcast(part, self.src, group=self.group)
-            parts.append(part)
-        return framed if sending else Framed(header, parts)
+        if sending:
+            return payload
+        if kind == 1:
+            return Framed(parts[0].cpu().numpy().tobytes(), parts[1:])
+        return parts[0].cpu().numpy().tobytes()
 
-    def _bytes(self, blob: bytes | None, n: int) -> torch.Tensor:
-        """Broadcast ``n`` bytes (``blob`` on the sender) through this channel's device."""
-        if blob is not None:
-            t = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device) if n else \
-                torch.empty(0, dtype=torch.uint8, device=self.device)
-        else:
-            t = torch.empty(n, dtype=torch.uint8, device=self.device)
-        if n:
-            dist.broadcast(t, self.src, group=self.group)
-        return t
+    def _tensor(self, blob: bytes) -> torch.Tensor:
+        t = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+        return t.to(self.device)
 
     def anyone_needs_anchor(self, mine: bool) -> bool:
         flag = torch.tensor([int(mine)], dtype=torch.int64, device=self.device)

@@ -55,7 +55,9 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
         device, cfg = str(tp.device), _tensor_parallel(cfg)
     else:
         replica = init_replicas(cfg.dist, torch.device(device).type)
-    main = (replica is None or replica.is_main) and (tp is None or tp.is_main)
+    scaled_out = replica is not None or tp is not None  # (a sync process group, if any, comes later and is not this)
+    rank = dist.get_rank() if scaled_out else 0  # names this process's trainer state
+    main = rank == 0
     if replica is not None:
         device = str(replica.device)
         cfg = _per_replica(cfg, replica)
@@ -99,7 +101,7 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
         rollout.scorer = BroadcastScorer(rollout.scorer, tp)  # rewards run once, on rank 0
     start = 1
     if cfg.resume:
-        saved = load_trainer_state(cfg.resume, dist.get_rank() if dist.is_initialized() else 0)
+        saved = load_trainer_state(cfg.resume, rank)
         optimizer.load_state_dict(saved["optimizer"])
         rollout.load_state_dict(saved["rollout"])
         random.setstate(saved["python_rng"])
@@ -146,7 +148,8 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s_step=f"{metrics['time/step_s']:.1f}",
                             gen_tok_s=f"{metrics['rollout/tokens_per_s']:.0f}")
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
-            _save(os.path.join(cfg.output_dir, f"checkpoint-{step}"), step, model, tokenizer, optimizer, rollout, tp)
+            _save(os.path.join(cfg.output_dir, f"checkpoint-{step}"), step, rank, model, tokenizer, optimizer,
+                  rollout, tp, scaled_out)
 
     if publisher is not None:
         publisher.close()
@@ -154,8 +157,9 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
         check_replicas_agree(model, replica)
     if tp is not None:
         replicated_agree(model, tp)
-    _save(os.path.join(cfg.output_dir, "checkpoint"), cfg.max_steps, model, tokenizer, optimizer, rollout, tp)
-    if replica is not None or tp is not None:
+    _save(os.path.join(cfg.output_dir, "checkpoint"), cfg.max_steps, rank, model, tokenizer, optimizer, rollout, tp,
+          scaled_out)
+    if scaled_out:
         dist.destroy_process_group()
     if main:
         writer.plot()
@@ -164,15 +168,14 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     return metrics
 
 
-def _save(path: str, step: int, model, tokenizer, optimizer, rollout: RolloutLoop, tp: TensorParallel | None
-          ) -> None:
+def _save(path: str, step: int, rank: int, model, tokenizer, optimizer, rollout: RolloutLoop,
+          tp: TensorParallel | None, scaled_out: bool) -> None:
     """The HF checkpoint (rank 0; under tensor parallelism every rank helps gather the full weights), then every
     rank's trainer state beside it, for ``resume``."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
     state = full_state_dict(model) if tp is not None else None  # a collective: every rank of a replica gathers
     if rank == 0:
         save_hf_checkpoint(model, tokenizer, path, state)
-    if dist.is_initialized():
+    if scaled_out:
         dist.barrier()  # the directory exists before the other ranks write into it
     save_trainer_state(path, rank,
                        {"step": step, "optimizer": optimizer.state_dict(), "rollout": rollout.state_dict(),

@@ -111,12 +111,7 @@ class MasterAdamW:
                              "for the cosine schedule")
         self.cfg = cfg
         self.total_steps = total_steps
-        self.params: dict[str, torch.nn.Parameter] = {}
-        seen: set[int] = set()
-        for name, p in named_params:
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                self.params[name] = p
+        self.params = trainable(named_params)
         self.state = {name: self._new_state(name, p) for name, p in self.params.items()}
         self.step_count = 0
         self.last_lr: float | None = None
@@ -201,6 +196,17 @@ class MasterAdamW:
     def zero_grad(self) -> None:
         for p in self.params.values():
             p.grad = None
+
+
+def trainable(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.nn.Parameter]:
+    """The parameters that train, each once under its first name (tied weights share one tensor)."""
+    params: dict[str, torch.nn.Parameter] = {}
+    seen: set[int] = set()
+    for name, p in named_params:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            params[name] = p
+    return params
 
 
 def make_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: OptimConfig,

@@ -17,7 +17,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .optimizer import MasterAdamW, OptimConfig, _AdamState, adamw_step, changed_bits
+from .optimizer import MasterAdamW, OptimConfig, _AdamState, adamw_step, changed_bits, trainable
 
 
 class HostAdamW(MasterAdamW):
@@ -25,8 +25,8 @@ class HostAdamW(MasterAdamW):
                  chunk_numel: int = 1 << 25, in_flight: int = 3):
         self.chunk_numel = chunk_numel
         self.in_flight = in_flight
-        named = list(named_params)
-        unique = {id(p): p for _, p in named if p.requires_grad}.values()
+        params = trainable(named_params)
+        unique = params.values()
         # One host arena for every master and moment, page-locked as a whole: exact size (the pinned caching
         # allocator rounds each allocation up to a power of two, +30-50% host memory for a model's tensors).
         self._arena = torch.empty(3 * sum(p.numel() for p in unique), dtype=torch.float32)
@@ -38,7 +38,7 @@ class HostAdamW(MasterAdamW):
                 raise RuntimeError(f"page-locking {self._arena.nbytes / 2**30:.1f} GiB of host memory for the "
                                    f"optimizer state failed (CUDA error {err})")
             self._registered = True
-        super().__init__(named, cfg, total_steps)
+        super().__init__(params.items(), cfg, total_steps)
 
     def _new_state(self, name: str, param: torch.nn.Parameter) -> _AdamState:
         def take() -> torch.Tensor:
