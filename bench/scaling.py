@@ -125,7 +125,7 @@ def main():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     args.checkpoint = f"/tmp/unison_scaling_{args.shape}"  # tensor parallelism shards a checkpoint as it loads
     if args.tp:
-        make_checkpoint(args.shape, args.checkpoint, torch.bfloat16)
+        make_checkpoint(args.shape, args.checkpoint, torch.bfloat16, args.device)
     whole = run(0, 1, args, args.prompts)
     share = run(0, 1, args, args.prompts // args.dp)
     gc.collect()

@@ -176,3 +176,12 @@ def test_config_fields_lists_every_key_with_default_and_doc():
     assert fields["eos_ids"].default == "[]" and fields["shape"].default == "[1, 2]"
     assert {f.key for f in config_fields(Required)} == {"model", "steps"}
     assert config_fields(Required)[0].default == "(required)"
+
+
+def test_auto_model_dtype_on_every_cuda_device():
+    """Under torchrun the device is ``cuda:<local rank>``: auto must still mean bf16 there (it once meant fp32,
+    which the GPU's varlen attention refuses)."""
+    from unison.train.loop import model_dtype
+
+    assert [model_dtype("auto", d) for d in ("cuda", "cuda:1", "cpu")] == ["bfloat16", "bfloat16", "float32"]
+    assert model_dtype("float32", "cuda:0") == "float32"

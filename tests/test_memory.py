@@ -8,7 +8,7 @@ from conftest import max_logprob_diff, random_prompts, tiny_llama
 from test_optimizer import make_params, set_grads
 
 from unison.engine import Engine, EngineConfig, SamplingParams
-from unison.train.memory import explain_oom, kv_blocks_for, plan_memory
+from unison.train.memory import MemoryPlan, auto_row_tokens, explain_oom, kv_blocks_for, plan_memory
 from unison.train.optimizer import MasterAdamW, OptimConfig, make_optimizer
 from unison.train.streamed import HostAdamW
 
@@ -86,6 +86,32 @@ def test_memory_plan_and_oom_advice():
     assert "step 3" in message and "KV pool" in message and "max_concurrent_rollouts" in message
     with pytest.raises(ValueError, match="num_blocks"):
         Engine(model, EngineConfig(num_blocks=0))
+
+
+def test_auto_row_tokens_takes_the_longest_row_that_fits():
+    """step.max_tokens_per_row=0: the real plan of a model, placed on GPUs of several sizes."""
+    from unison.train.config import StepConfig
+
+    model = tiny_llama()
+    base = plan_memory(model, 0, True, False, 0, 1024, False).total_gib
+    per_token = (plan_memory(model, 0, True, False, 1, 1024, False).total_gib - base)
+
+    def on(device_gib):
+        def plan_for(tokens):
+            plan = plan_memory(model, 0, True, False, tokens, 1024, False)
+            return MemoryPlan(plan.rows, device_gib)
+        return plan_for
+
+    fits_8192 = (base + 8192 * per_token) / 0.85
+    assert auto_row_tokens(on(fits_8192 * 1.01), 600) == 8192
+    assert auto_row_tokens(on(fits_8192 * 0.99), 600) == 4096
+    assert auto_row_tokens(on(base * 1.0001), 600) == 2048  # nothing fits: the shortest candidate
+    assert auto_row_tokens(on(base * 1.0001), 3000) == 3000  # never shorter than the longest sample
+    assert auto_row_tokens(lambda tokens: MemoryPlan(plan_memory(model, 0, True, False, tokens, 1024, False).rows,
+                                                     None), 600) == 4096  # no GPU
+    assert StepConfig().max_tokens_per_row == 0
+    with pytest.raises(ValueError, match="0 \\(auto\\) or >= 2"):
+        StepConfig(max_tokens_per_row=1)
 
 
 def test_activation_checkpointing_recomputes_layers_and_keeps_dropout_off():

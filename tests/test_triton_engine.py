@@ -12,9 +12,10 @@ from unison.engine import Engine, EngineConfig, SamplingParams
 pytest.importorskip("triton")
 
 from unison.engine.fused_norm import fused_norms  # noqa: E402
+from unison.engine.fused_rope import fused_rope, rope  # noqa: E402
 from unison.engine.graphs import batch_ladder  # noqa: E402
 from unison.engine.triton_attention import num_splits, paged_decode  # noqa: E402
-from unison.engine.triton_sampler import fused_sample  # noqa: E402
+from unison.engine.triton_sampler import FusedSampler, fused_sample  # noqa: E402
 
 
 def reference_decode(q, k_pool, v_pool, tables, context_lens, block_size, scale, window=None):
@@ -145,6 +146,21 @@ def test_fused_sampler_logprobs_greedy_and_distribution():
     assert alone[0] == tokens[1]
 
 
+def test_fused_sampler_split_vocabulary_equals_one_part():
+    """Splitting each row's vocabulary into parts changes neither the draw nor (beyond fp32 summation order) the
+    logprob, and a tie across parts goes to the lowest index, like argmax."""
+    g = torch.Generator().manual_seed(2)
+    logits = 3 * torch.randn(5, 1000, generator=g)
+    logits[4, [70, 650, 900]] = 50.0  # a greedy row whose maximum is tied in three parts
+    temps, seeds = [1.0, 0.5, 2.0, 1.0, 0.0], [1, 2, 3, 4, 5]
+    whole = FusedSampler(logits.device, block_v=64, target_programs=1)
+    split = FusedSampler(logits.device, block_v=64, target_programs=64)  # 16 tiles: 16 parts of one tile
+    (t1, l1), (t2, l2) = whole(logits, temps, seeds), split(logits, temps, seeds)
+    assert torch.equal(t1, t2)
+    torch.testing.assert_close(l1, l2, atol=1e-5, rtol=0)
+    assert t2[4] == 70
+
+
 def test_seeded_requests_reproducible_regardless_of_batch_with_fused_sampler():
     prompt = random_prompts([6])[0]
     params = SamplingParams(max_new_tokens=8, n=2, seed=7, stop_token_ids=())
@@ -174,3 +190,35 @@ def test_fused_rms_norm_matches_the_module(dtype):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
         else:  # Triton's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest): two roundings, 2 ulps
             assert ((a.float() - b.float()).abs() <= b.float().abs() * 2**-6 + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_matches_transformers(dtype):
+    """q and k as the attention forward hands them over (transposed views), cos and sin of the model's rotary
+    embedding: the kernel equals transformers' function, and ``fused_rope`` swaps it in for the block only."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    model = tiny_qwen3(dtype=dtype)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 7, 4, 32, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(1, 7, 2, 32, generator=g).to(dtype).transpose(1, 2)
+    positions = torch.tensor([[0, 1, 5, 9, 100, 3, 40]])
+    cos, sin = model.model.rotary_emb(q, positions)
+    original = modeling_qwen3.apply_rotary_pos_emb
+    ref_q, ref_k = original(q, k, cos, sin)
+    with fused_rope(model) as count:
+        assert count == 1 and modeling_qwen3.apply_rotary_pos_emb is not original
+        out_q, out_k = modeling_qwen3.apply_rotary_pos_emb(q, k, cos, sin)
+        # Not covered (cos in another dtype): transformers' own function, unchanged.
+        other_q, _ = modeling_qwen3.apply_rotary_pos_emb(q, k, cos.double(), sin.double())
+    assert modeling_qwen3.apply_rotary_pos_emb is original
+    assert other_q.dtype == torch.float64
+    for out, ref, x in ((out_q, ref_q, q), (out_k, ref_k, k)):
+        assert out.shape == ref.shape and out.stride() == ref.stride() and out.dtype == ref.dtype
+        if dtype == torch.float32:
+            assert torch.equal(out, ref)
+        else:  # the interpreter truncates fp32 -> bf16 where the GPU rounds: an ulp of each term and of the sum
+            terms = x.float().abs() + modeling_qwen3.rotate_half(x).float().abs()  # |cos|, |sin| <= 1
+            assert ((out.float() - ref.float()).abs() <= 3 * 2.0**-7 * terms).all()
+    direct_q, _ = rope(q, k, cos, sin)
+    assert torch.equal(direct_q, out_q)

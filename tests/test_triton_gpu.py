@@ -9,8 +9,10 @@ from test_triton_engine import reference_decode
 
 from unison.engine.backend import StepLayout, TorchPagedBackend
 from unison.engine.fused_norm import rms_norm
+from unison.engine.fused_rope import rope
 from unison.engine.triton_attention import paged_decode
 from unison.engine.triton_backend import TritonPagedBackend
+from unison.engine.triton_sampler import FusedSampler
 
 pytestmark = pytest.mark.gpu
 
@@ -76,3 +78,41 @@ def test_fused_rms_norm_on_gpu(width, dtype):
           f"bitwise equal {(out == ref).float().mean():.4f}")
     assert (err <= ref.float().abs() * 2 * ulp + 1e-6).all()
     assert (out == ref).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fused_rope_on_gpu_matches_transformers(head_dim, dtype):
+    """The kernel rounds where transformers rounds (each product, then the sum), to nearest like PyTorch: within
+    one rounding step of the result's terms, and printed, how many elements have the same bits."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb, rotate_half
+
+    q = torch.randn(1, 300, 16, head_dim, device="cuda").to(dtype).transpose(1, 2)
+    k = torch.randn(1, 300, 8, head_dim, device="cuda").to(dtype).transpose(1, 2)
+    angle = torch.rand(1, 300, head_dim // 2, device="cuda") * 1000
+    angle = torch.cat([angle, angle], -1)
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    ref_q, ref_k = apply_rotary_pos_emb(q, k, cos, sin)
+    out_q, out_k = rope(q, k, cos, sin)
+    ulp = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-23}[dtype]
+    for out, ref, x in ((out_q, ref_q, q), (out_k, ref_k, k)):
+        err = (out.float() - ref.float()).abs()
+        terms = x.float().abs() + rotate_half(x).float().abs()
+        print(f"rope {dtype} head_dim {head_dim}: bitwise equal {(out == ref).float().mean():.5f}, "
+              f"max |err| / terms {(err / terms.clamp_min(1e-30)).max():.2e}")
+        assert out.stride() == ref.stride()
+        assert (err <= ulp * terms).all()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_fused_sampler_parts_on_gpu(rows):
+    """A 152k vocabulary split into parts (as many as fill the GPU) draws what one program per row draws."""
+    logits = 4 * torch.randn(rows, 151936, device="cuda")
+    temps = [0.0 if i % 5 == 0 else 0.6 + i % 3 * 0.4 for i in range(rows)]
+    seeds = list(range(100, 100 + rows))
+    t1, l1 = FusedSampler(logits.device, target_programs=1)(logits, temps, seeds)
+    t2, l2 = FusedSampler(logits.device)(logits, temps, seeds)
+    assert torch.equal(t1, t2)
+    torch.testing.assert_close(l1, l2, atol=2e-5, rtol=0)
+    ref = torch.log_softmax(logits / torch.tensor([t or 1.0 for t in temps], device="cuda")[:, None], -1)
+    torch.testing.assert_close(l2, ref.gather(1, t2[:, None]).squeeze(1), atol=1e-4, rtol=0)

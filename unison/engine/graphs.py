@@ -3,10 +3,11 @@
 A decode step of n requests runs at the smallest ladder size b >= n; rows n..b-1 are padding that attends to,
 and writes into, a scratch block of the pool that no request owns. Each size is captured the first time it is
 needed (decoder forward and the fp32 lm_head of every row; sampling stays outside, so per-request generators
-and sampling parameters need no graph) and replayed after that. The capture runs with ``fused_norms``: each
-RMSNorm is one kernel instead of eight. The graphs read the parameters and the KV pool
-at their addresses: in-place optimizer updates need nothing, and they stay valid as long as neither tensor is
-reallocated. Without CUDA (the CPU tests) the same forward runs eagerly through the same buffers.
+and sampling parameters need no graph) and replayed after that. The capture runs with ``fused_norms`` and
+``fused_rope``: each RMSNorm is one kernel instead of eight, RoPE of q and k one instead of ten. The graphs read
+the parameters and the KV pool at their addresses: in-place optimizer updates need nothing, and they stay valid
+as long as neither tensor is reallocated. Without CUDA (the CPU tests) the same forward runs eagerly through the
+same buffers.
 
 Per step the host fills one pinned buffer (token, position, slot and context length of each row, then the
 block tables), which reaches the device in one copy; two device copies spread it into the static inputs.
@@ -20,6 +21,7 @@ from .attention import NO_MASK
 from .backend import PagedBatch
 from .cache import KVPool
 from .fused_norm import fused_norms
+from .fused_rope import fused_rope
 from .lm_head import lm_head_fp32
 from .triton_backend import TritonPagedBackend
 
@@ -96,7 +98,7 @@ class DecodeRunner:
         ids, positions = self.meta[0:1, :b], self.meta[1:2, :b]
 
         def forward() -> torch.Tensor:
-            with torch.inference_mode(), fused_norms(self.decoder):
+            with torch.inference_mode(), fused_norms(self.decoder), fused_rope(self.decoder):
                 hidden = self.decoder(input_ids=ids, position_ids=positions, attention_mask=NO_MASK, paged=batch,
                                       use_cache=False).last_hidden_state[0]
                 return lm_head_fp32(hidden, self.lm_head_weight)

@@ -31,14 +31,15 @@ class ModelConfig:
 
 @dataclass
 class StepConfig:
-    max_tokens_per_row: int = 4096
-    """Packed row length; each row is one micro-batch of the step."""
+    max_tokens_per_row: int = 0
+    """Packed row length; each row is one micro-batch of the step. 0 (auto): 8192 where the memory plan fits in
+    85% of the GPU with it, else 4096, else 2048 (on the CPU 4096); never shorter than the longest sample."""
     logprob_chunk: int = 1024
     """Tokens per chunk of the lm_head in the policy logprobs: [chunk, vocab] is the largest logits block."""
 
     def __post_init__(self):
-        if self.max_tokens_per_row < 2:
-            raise ValueError(f"max_tokens_per_row must be >= 2, got {self.max_tokens_per_row}")
+        if self.max_tokens_per_row != 0 and self.max_tokens_per_row < 2:
+            raise ValueError(f"max_tokens_per_row must be 0 (auto) or >= 2, got {self.max_tokens_per_row}")
         if self.logprob_chunk < 1:
             raise ValueError(f"logprob_chunk must be >= 1, got {self.logprob_chunk}")
 

@@ -34,7 +34,7 @@ from ..sync.publisher import WeightPublisher
 from ..tasks import Task, load_task
 from .checkpoint import load_trainer_state, save_hf_checkpoint, save_trainer_state
 from .config import TrainConfig
-from .memory import explain_oom, kv_blocks_for, plan_memory
+from .memory import auto_row_tokens, explain_oom, kv_blocks_for, plan_memory
 from .optimizer import make_optimizer
 from .step import check_packed_attention, train_step
 
@@ -67,7 +67,7 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     seed = cfg.seed + (replica.rank if replica is not None else 0)  # each replica rolls out its own prompts
     random.seed(seed)
     torch.manual_seed(cfg.seed)  # the same initial state everywhere
-    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    dtype = model_dtype(cfg.model.dtype, device)
     model, tokenizer = load_policy(cfg.resume or cfg.model.name_or_path, dtype=getattr(torch, dtype), device=device,
                                    tp_mesh=tp.mesh if tp is not None else None)
     check_packed_attention(model)
@@ -91,9 +91,16 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
         engine, lend, kv_bytes = RemoteEngine(cfg.sync.servers, cfg.sync.timeout_s), False, 0
         publisher = WeightPublisher(cfg.sync, dict(model.named_parameters()))
         log.info("initial full sync to %s: %s", cfg.sync.servers, publisher.anchor(version=0))
-    plan = plan_memory(model, kv_bytes, cfg.optim.placement == "gpu", lend, cfg.step.max_tokens_per_row,
-                       cfg.step.logprob_chunk, cfg.memory.activation_checkpointing)
-    log.info("\n%s", plan.table())
+
+    def plan_for(row_tokens: int):
+        return plan_memory(model, kv_bytes, cfg.optim.placement == "gpu", lend, row_tokens, cfg.step.logprob_chunk,
+                           cfg.memory.activation_checkpointing)
+
+    row_tokens = cfg.step.max_tokens_per_row or auto_row_tokens(
+        plan_for, _longest_prompt(cfg, tokenizer, task) + cfg.rollout.max_new_tokens)
+    plan = plan_for(row_tokens)
+    log.info("\n%s\npacked rows of %d tokens%s", plan.table(), row_tokens,
+             "" if cfg.step.max_tokens_per_row else " (step.max_tokens_per_row=0: chosen from the plan)")
     stop_ids = stop_token_ids(tokenizer, model)
     rollout = RolloutLoop(engine, tokenizer, task.rows, task.reward_fns, cfg.rollout, stop_ids, seed=seed,
                           system_prompt=task.system_prompt)
@@ -124,7 +131,7 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
             t1 = time.perf_counter()
             with engine.lend() if lend else nullcontext(0) as lent:
                 metrics.update(train_step(model, optimizer, samples, cfg.loss, cfg.rollout.temperature,
-                                          cfg.step.max_tokens_per_row, pad_id, cfg.step.logprob_chunk,
+                                          row_tokens, pad_id, cfg.step.logprob_chunk,
                                           cfg.memory.activation_checkpointing,
                                           replica.group if replica is not None else None))
         except torch.OutOfMemoryError as e:
@@ -201,10 +208,20 @@ def _per_replica(cfg: TrainConfig, replica: Replica) -> TrainConfig:
     return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, samples_per_step=share))
 
 
-def _kv_blocks(cfg: TrainConfig, tokenizer, task: Task) -> int:
-    """Pool size for ``max_concurrent_rollouts`` requests of the longest of (up to) 256 sampled prompts plus
-    ``max_new_tokens``."""
+def model_dtype(dtype: str, device: str) -> str:
+    """``model.dtype``, with auto resolved: bfloat16 on any CUDA device (``cuda``, ``cuda:1``), float32 else."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+
+
+def _longest_prompt(cfg: TrainConfig, tokenizer, task: Task) -> int:
+    """Tokens of the longest of (up to) 256 sampled prompts."""
     rows = [r for r in random.Random(cfg.seed).sample(task.rows, min(256, len(task.rows))) if "prompt" in r]
-    longest = max((len(encode_prompt(tokenizer, str(r["prompt"]), task.system_prompt)) for r in rows), default=0)
-    return kv_blocks_for(cfg.rollout.max_concurrent_rollouts, longest, cfg.rollout.max_new_tokens,
-                         cfg.engine.block_size)
+    return max((len(encode_prompt(tokenizer, str(r["prompt"]), task.system_prompt)) for r in rows), default=0)
+
+
+def _kv_blocks(cfg: TrainConfig, tokenizer, task: Task) -> int:
+    """Pool size for ``max_concurrent_rollouts`` requests of the longest sampled prompt plus ``max_new_tokens``."""
+    return kv_blocks_for(cfg.rollout.max_concurrent_rollouts, _longest_prompt(cfg, tokenizer, task),
+                         cfg.rollout.max_new_tokens, cfg.engine.block_size)
