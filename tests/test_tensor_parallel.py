@@ -1,5 +1,6 @@
-"""Tensor parallelism over gloo: two ranks holding half of each projection decode the same tokens and make the
-same update as one process holding the whole model; `unison train --dist.tp=2` trains and saves a checkpoint."""
+"""Tensor parallelism over gloo: two ranks holding half of each projection decode the same tokens (on the plain
+local shards, with explicit all-reduces) and make the same update as one process holding the whole model;
+`unison train --dist.tp=2` trains and saves a checkpoint."""
 
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ def test_two_ranks_equal_one_process(qwen3_dir, tmp_path):
     start = {k: v.clone() for k, v in model.state_dict().items()}
     single = run(model, lambda m: MasterAdamW(m.named_parameters(), OPTIM, STEPS))
     for r in ranks:
+        # The engine decodes on plain local shards: all 7 projections of both layers, DTensor's hooks set aside
+        # for the block and back afterwards (the training forward needs them).
+        assert r["local_forward"] == {"switched": 14, "hooks_inside": 0, "hooks_after": 1}
         # Same tokens before and after training; logprobs and norms up to fp32 summation order.
         assert r["tokens"] == single["tokens"] and r["tokens_after"] == single["tokens_after"]
         for key in ("logprobs", "logprobs_after"):

@@ -54,6 +54,10 @@ def main():
     tp, _ = init_tensor_parallel(2, 120.0, "cpu")
     model, _ = load_policy(model_dir, dtype=torch.float32, tp_mesh=tp.mesh)
     result = run(model, lambda m: TensorParallelAdamW(m, OPTIM, STEPS, tp))
+    q_proj = model.model.layers[0].self_attn.q_proj
+    with model.unison_local_forward() as switched:  # what the engine's forwards ran under
+        result["local_forward"] = {"switched": switched, "hooks_inside": len(q_proj._forward_pre_hooks)}
+    result["local_forward"]["hooks_after"] = len(q_proj._forward_pre_hooks)
     result["params"] = full_state_dict(model)
     result["replicated"] = {n: p.detach().clone() for n, p in model.named_parameters()
                             if not hasattr(p, "placements")}

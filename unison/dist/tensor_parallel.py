@@ -22,10 +22,14 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import os
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -75,13 +79,66 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
     if unknown:
         raise ValueError(f"{model.config.model_type}: tensor-parallel styles {sorted(unknown)} are not supported")
     plan = {}
-    for name, _ in model.named_modules():
+    for name, module in model.named_modules():
         for pattern, style in base.items():
             if style in styles and fnmatch.fnmatch(name, f"model.{pattern}"):
+                if not isinstance(module, torch.nn.Linear):
+                    raise ValueError(f"{name}: tensor parallelism shards nn.Linear projections, not "
+                                     f"{type(module).__name__}")
                 plan[name] = styles[style]()
+                module.unison_tp_style = style
     parallelize_module(model, mesh, plan)
     model.unison_tp_size = mesh.size()
+    model.unison_local_forward = LocalForward(model)  # what the engine's forwards run under
     return model
+
+
+class LocalForward:
+    """``with model.unison_local_forward():`` every projection ``parallelize`` sharded computes on its local shard as
+    a plain tensor: a column-wise one is ``F.linear`` with its rows of the weight (the output stays split along the
+    last dimension, as the style's local output is), a row-wise one ``F.linear`` with its columns, summed over the
+    tp group by one all-reduce, plus the bias. That is what DTensor's hooks compute, minus their per-call dispatch
+    and sharding propagation, which cost more than a decode step itself: a 1.7B shape under tp=2 decoded at ~0.6 s
+    per step on two H200s; a 4-layer model's decode step on the CPU took 104 ms through DTensor, 31 ms this way and
+    13-16 ms in one process. For forwards without autograd (the engine's); the training step keeps DTensor, whose
+    backward knows the shards.
+    The weights are the parameters' own local tensors, looked up on each entry, so in-place updates show."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.modules = [(m, m.unison_tp_style) for m in model.modules() if hasattr(m, "unison_tp_style")]
+
+    @contextmanager
+    def __call__(self) -> Iterator[int]:
+        saved = []
+        with torch.no_grad():
+            for module, style in self.modules:
+                state = module.__dict__  # directly: nn.Module.__setattr__ costs more than the swap itself
+                saved.append((state["_forward_pre_hooks"], state["_forward_hooks"], state.get("forward")))
+                state["_forward_pre_hooks"], state["_forward_hooks"] = OrderedDict(), OrderedDict()
+                state["forward"] = _local_linear(module, style)
+        try:
+            yield len(saved)
+        finally:
+            for (module, _), (pre, post, own) in zip(self.modules, saved, strict=True):
+                state = module.__dict__
+                state["_forward_pre_hooks"], state["_forward_hooks"] = pre, post
+                if own is None:
+                    del state["forward"]
+                else:
+                    state["forward"] = own
+
+
+def _local_linear(module: torch.nn.Linear, style: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    weight, bias = local(module.weight), local(module.bias) if module.bias is not None else None
+    if style == "colwise":
+        return lambda x: F.linear(x, weight, bias)
+    group = module.weight.device_mesh.get_group()
+
+    def rowwise(x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, weight)
+        dist.all_reduce(y, group=group)
+        return y if bias is None else y + bias
+    return rowwise
 
 
 def partial_grad_names(model: torch.nn.Module) -> list[str]:

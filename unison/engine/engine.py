@@ -14,7 +14,7 @@ import importlib.util
 import logging
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -59,6 +59,8 @@ class Engine:
         if kv_heads % tp:
             raise ValueError(f"{text.model_type}: {kv_heads} KV heads do not split across tensor-parallel size {tp}")
         kv_heads //= tp
+        # ... and its forwards run on the local shards with explicit all-reduces, not through DTensor dispatch.
+        self.local_forward = getattr(model, "unison_local_forward", nullcontext)
         # One block more than the allocator hands out: the scratch block that padded graph rows write into.
         self.pool = KVPool(text.num_hidden_layers, config.num_blocks + 1, config.block_size, kv_heads, head_dim,
                            self.dtype, self.device)
@@ -71,7 +73,8 @@ class Engine:
         if config.cuda_graphs and fast:
             from .graphs import DecodeRunner
             self.runner = DecodeRunner(self.decoder, self.lm_head_weight, self.pool, self.backend,
-                                       config.max_num_seqs, self.max_model_len, scratch_block=config.num_blocks)
+                                       config.max_num_seqs, self.max_model_len, scratch_block=config.num_blocks,
+                                       local_forward=self.local_forward)
         self.version = 0
         self.eos_ids = _eos_ids(model)
         self.generator = torch.Generator(self.device)
@@ -301,7 +304,7 @@ class Engine:
         layout = StepLayout(query_start, context_len, [c.request.blocks for c in chunks],
                             torch.tensor(slots, dtype=torch.int64, device=dev))
         batch = PagedBatch.for_layout(self.pool, self.backend, layout)
-        with torch.inference_mode():
+        with torch.inference_mode(), self.local_forward():
             hidden = self.decoder(input_ids=torch.tensor([tokens], device=dev),
                                   position_ids=torch.tensor([positions], device=dev),
                                   attention_mask=NO_MASK, paged=batch, use_cache=False).last_hidden_state[0]

@@ -15,6 +15,10 @@ block tables), which reaches the device in one copy; two device copies spread it
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
+from contextlib import nullcontext
+
 import torch
 
 from .attention import NO_MASK
@@ -38,7 +42,8 @@ def batch_ladder(max_batch: int) -> list[int]:
 
 class DecodeRunner:
     def __init__(self, decoder: torch.nn.Module, lm_head_weight: torch.Tensor, pool: KVPool,
-                 backend: TritonPagedBackend, max_batch: int, max_context: int, scratch_block: int):
+                 backend: TritonPagedBackend, max_batch: int, max_context: int, scratch_block: int,
+                 local_forward: Callable[[], ContextManager] = nullcontext):
         self.decoder = decoder
         self.lm_head_weight = lm_head_weight
         self.pool = pool
@@ -46,6 +51,7 @@ class DecodeRunner:
         self.block_size = bs = backend.block_size
         self.max_context = max_context
         self.scratch_block = scratch_block
+        self.local_forward = local_forward  # tensor parallelism: the local shards (unison.dist.tensor_parallel)
         self.sizes = batch_ladder(max_batch)
         self.max_batch = n = self.sizes[-1]
         self.max_blocks = w = -(-max_context // bs)
@@ -98,7 +104,7 @@ class DecodeRunner:
         ids, positions = self.meta[0:1, :b], self.meta[1:2, :b]
 
         def forward() -> torch.Tensor:
-            with torch.inference_mode(), fused_norms(self.decoder), fused_rope(self.decoder):
+            with torch.inference_mode(), fused_norms(self.decoder), fused_rope(self.decoder), self.local_forward():
                 hidden = self.decoder(input_ids=ids, position_ids=positions, attention_mask=NO_MASK, paged=batch,
                                       use_cache=False).last_hidden_state[0]
                 return lm_head_fp32(hidden, self.lm_head_weight)
