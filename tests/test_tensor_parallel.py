@@ -17,6 +17,7 @@ from tp_peer import OPTIM, STEPS, run
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from unison.models import load_policy
+from unison.train.checkpoint import load_trainer_state
 from unison.train.optimizer import MasterAdamW
 
 HERE = os.path.dirname(__file__)
@@ -115,3 +116,9 @@ def test_data_parallel_replicas_of_tensor_parallel_groups(qwen3_dir, tmp_path):
     sharded = AutoModelForCausalLM.from_pretrained(tmp_path / "dp2tp2" / "checkpoint").state_dict()
     for name, value in AutoModelForCausalLM.from_pretrained(tmp_path / "dp2" / "checkpoint").state_dict().items():
         torch.testing.assert_close(sharded[name], value, rtol=0, atol=1e-4, msg=name)  # 0.1 x lr, as above
+    # The optimizer state is split across the replicas: global ranks t and t + 2 (tp rank t of replicas 0 and 1)
+    # hold the masters and moments of disjoint parameters that together cover all of them.
+    states = [load_trainer_state(str(tmp_path / "dp2tp2" / "checkpoint"), r)["optimizer"]["state"] for r in range(4)]
+    for t in range(2):
+        held = [{n for n, v in states[r].items() if v is not None} for r in (t, t + 2)]
+        assert held[0] and held[1] and not held[0] & held[1] and held[0] | held[1] == set(states[t])

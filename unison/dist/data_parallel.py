@@ -71,12 +71,13 @@ class ShardedAdamW(MasterAdamW):
         masks = {}
         for name, p in stepped.items():  # the same order on every replica: the collectives match
             owner = dist.get_global_rank(self.group, self.owner[name]) if self.group is not None else self.owner[name]
+            data = local(p.data)  # under tensor parallelism: this rank's shard, owned by the same tp rank elsewhere
             if self.owner[name] == self.rank:
                 masks[name] = self._update(name, p, grad_scale, lr)
-                dist.broadcast(p.data, owner, group=self.group)
+                dist.broadcast(data, owner, group=self.group)
             else:
-                new = torch.empty_like(p.data)
+                new = torch.empty_like(data)
                 dist.broadcast(new, owner, group=self.group)
-                masks[name] = changed_bits(new, p.data)
-                p.data.copy_(new)
+                masks[name] = changed_bits(new, data)
+                data.copy_(new)
         return masks

@@ -15,6 +15,10 @@ replicated parameters whose partial gradients ``TensorParallelAdamW`` sums once 
 own hook for them all-reduces the accumulated gradient after every backward, which double-counts under gradient
 accumulation: one backward per packed row). transformers' own loader is not used for the sharding because it
 insists that the tensor-parallel size be the whole world.
+
+The engine's forwards skip DTensor: ``LocalForward`` runs each sharded projection on its plain local shard with
+one explicit all-reduce per row-wise projection (DTensor's per-call dispatch cost more than a decode step).
+With several replicas ``ShardedTensorParallelAdamW`` splits each rank's optimizer state across them (ZeRO-1).
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from ..train.optimizer import MasterAdamW, OptimConfig
-from .data_parallel import all_reduce_grads
+from ..train.optimizer import MasterAdamW, OptimConfig, trainable
+from .data_parallel import ShardedAdamW, all_reduce_grads, assign_owners
 from .runtime import Replica, agree_with_rank0, join_torchrun, local
 
 PARTIAL_GRAD = "replicated_with_grad_allreduce"
@@ -175,6 +179,20 @@ class TensorParallelAdamW(MasterAdamW):
                 replicated += sq
         dist.all_reduce(sharded, group=self.tp.group)
         return float((sharded + replicated).sqrt())
+
+
+class ShardedTensorParallelAdamW(ShardedAdamW, TensorParallelAdamW):
+    """dp x tp: ``TensorParallelAdamW`` on this rank's shards, with the optimizer state split across the data-parallel
+    replicas as ``ShardedAdamW`` splits it (ZeRO stage 1). Parameter ``name`` is owned by one replica; its tp ranks
+    each step their shard of it and broadcast the new values to the same tp rank of the other replicas."""
+
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, total_steps: int, tp: TensorParallel,
+                 replica: Replica):
+        self.tp, self.partial = tp, set(partial_grad_names(model))
+        self.group, self.rank = replica.group, replica.rank
+        params = trainable(model.named_parameters())
+        self.owner = assign_owners(list(params.items()), replica.world)
+        MasterAdamW.__init__(self, params.items(), cfg, total_steps)
 
 
 def digest(samples) -> str:

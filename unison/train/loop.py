@@ -18,6 +18,7 @@ from ..dist.data_parallel import ShardedAdamW
 from ..dist.runtime import Replica, check_replicas_agree, init_replicas, reduce_metrics
 from ..dist.tensor_parallel import (
     BroadcastScorer,
+    ShardedTensorParallelAdamW,
     TensorParallel,
     TensorParallelAdamW,
     check_ranks_agree,
@@ -75,7 +76,8 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     # The run's seed drives sampling too, unless the engine section sets its own.
     engine_cfg = cfg.engine if cfg.engine.seed is not None else dataclasses.replace(cfg.engine, seed=seed)
     if tp is not None:
-        optimizer = TensorParallelAdamW(model, cfg.optim, cfg.max_steps, tp)
+        optimizer = TensorParallelAdamW(model, cfg.optim, cfg.max_steps, tp) if replica is None else \
+            ShardedTensorParallelAdamW(model, cfg.optim, cfg.max_steps, tp, replica)
     elif replica is None:
         optimizer = make_optimizer(model.named_parameters(), cfg.optim, total_steps=cfg.max_steps)
     else:
