@@ -105,8 +105,8 @@ class LocalForward:
     and sharding propagation, which cost more than a decode step itself: a 1.7B shape under tp=2 decoded at ~0.6 s
     per step on two H200s; a 4-layer model's decode step on the CPU took 104 ms through DTensor, 31 ms this way and
     13-16 ms in one process. For forwards without autograd (the engine's); the training step keeps DTensor, whose
-    backward knows the shards.
-    The weights are the parameters' own local tensors, looked up on each entry, so in-place updates show."""
+    backward knows the shards. The weights are the parameters' own local tensors, looked up on each entry, so
+    in-place updates show."""
 
     def __init__(self, model: torch.nn.Module):
         self.modules = [(m, m.unison_tp_style) for m in model.modules() if hasattr(m, "unison_tp_style")]

@@ -103,5 +103,4 @@ def _fused(original):
         if not _covered(q, k, cos, sin, unsqueeze_dim):
             return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
         return rope(q, k, cos, sin)
-    apply_rotary_pos_emb.unison_fused = True
     return apply_rotary_pos_emb

@@ -112,7 +112,8 @@ class FusedSampler:
         # most SMs idle at small batches (64 rows took 176 us on an H200, mostly Philox and logs, not bytes).
         # Tiles per part is a power of two, so batch sizes share a handful of compiled variants.
         tiles = -(-vocab // self.block_v)
-        per_part = triton.next_power_of_2(-(-tiles // max(1, min(tiles, -(-self.target_programs // rows)))))
+        wanted_parts = min(tiles, -(-self.target_programs // rows))
+        per_part = triton.next_power_of_2(-(-tiles // wanted_parts))
         parts = -(-tiles // per_part)
         stats = torch.empty(rows, parts, 3, dtype=torch.float32, device=logits.device)
         best = torch.empty(rows, parts, dtype=torch.int32, device=logits.device)

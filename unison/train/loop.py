@@ -82,10 +82,13 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
         optimizer = make_optimizer(model.named_parameters(), cfg.optim, total_steps=cfg.max_steps)
     else:
         optimizer = ShardedAdamW(model.named_parameters(), cfg.optim, cfg.max_steps, replica.group)
+    longest_prompt = _longest_prompt(cfg, tokenizer, task)  # sizes the KV pool and the packed rows
     publisher = None
     if cfg.sync.mode == "colocated":
         if engine_cfg.num_blocks == 0:
-            engine_cfg = dataclasses.replace(engine_cfg, num_blocks=_kv_blocks(cfg, tokenizer, task))
+            engine_cfg = dataclasses.replace(engine_cfg, num_blocks=kv_blocks_for(
+                cfg.rollout.max_concurrent_rollouts, longest_prompt, cfg.rollout.max_new_tokens,
+                cfg.engine.block_size))
         engine = Engine(model, engine_cfg)
         lend, kv_bytes = cfg.memory.lends(engine.device), engine.pool.nbytes
         log.info("KV pool: %d blocks of %d tokens", engine_cfg.num_blocks, engine_cfg.block_size)
@@ -98,8 +101,7 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
         return plan_memory(model, kv_bytes, cfg.optim.placement == "gpu", lend, row_tokens, cfg.step.logprob_chunk,
                            cfg.memory.activation_checkpointing)
 
-    row_tokens = cfg.step.max_tokens_per_row or auto_row_tokens(
-        plan_for, _longest_prompt(cfg, tokenizer, task) + cfg.rollout.max_new_tokens)
+    row_tokens = cfg.step.max_tokens_per_row or auto_row_tokens(plan_for, longest_prompt + cfg.rollout.max_new_tokens)
     plan = plan_for(row_tokens)
     log.info("\n%s\npacked rows of %d tokens%s", plan.table(), row_tokens,
              "" if cfg.step.max_tokens_per_row else " (step.max_tokens_per_row=0: chosen from the plan)")
@@ -222,8 +224,3 @@ def _longest_prompt(cfg: TrainConfig, tokenizer, task: Task) -> int:
     rows = [r for r in random.Random(cfg.seed).sample(task.rows, min(256, len(task.rows))) if "prompt" in r]
     return max((len(encode_prompt(tokenizer, str(r["prompt"]), task.system_prompt)) for r in rows), default=0)
 
-
-def _kv_blocks(cfg: TrainConfig, tokenizer, task: Task) -> int:
-    """Pool size for ``max_concurrent_rollouts`` requests of the longest sampled prompt plus ``max_new_tokens``."""
-    return kv_blocks_for(cfg.rollout.max_concurrent_rollouts, _longest_prompt(cfg, tokenizer, task),
-                         cfg.rollout.max_new_tokens, cfg.engine.block_size)

@@ -113,16 +113,11 @@ def auto_row_tokens(plan_for: Callable[[int], MemoryPlan], longest_sample: int) 
     Longer rows mean fewer, larger micro-batches: a 1.7B model's step over 64 x 576 tokens on an H200 took 2.04 s
     in rows of 4096 tokens, 1.50 s in rows of 8192 and 1.47 s in rows of 16384 (bench/train_profile.py), because
     short rows leave the step bound by kernel launches. Without a GPU the plan has no device size: 4096."""
-    chosen = AUTO_ROW_TOKENS[-1]
-    for tokens in AUTO_ROW_TOKENS:
-        plan = plan_for(tokens)
-        if plan.device_gib is None:
-            chosen = 4096
-            break
-        if plan.total_gib <= AUTO_DEVICE_FRACTION * plan.device_gib:
-            chosen = tokens
-            break
-    return max(chosen, longest_sample)
+    plans = {tokens: plan_for(tokens) for tokens in AUTO_ROW_TOKENS}
+    if plans[AUTO_ROW_TOKENS[0]].device_gib is None:
+        return max(4096, longest_sample)
+    fits = [t for t, plan in plans.items() if plan.total_gib <= AUTO_DEVICE_FRACTION * plan.device_gib]
+    return max(fits[0] if fits else AUTO_ROW_TOKENS[-1], longest_sample)
 
 
 def explain_oom(error: BaseException, plan: MemoryPlan, phase: str) -> RuntimeError:
