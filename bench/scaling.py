@@ -55,7 +55,7 @@ def run(rank: int, world: int, args, prompts_here: int, tp: TensorParallel | Non
     seed = rank if group else 0  # replicas roll out their own prompts; tensor-parallel ranks the same ones
     engine = Engine(model, EngineConfig(num_blocks=prompts_here * GROUP * (-(-(PROMPT_TOKENS + args.new) // 16) + 1),
                                         block_size=16, max_num_seqs=prompts_here * GROUP, max_batch_tokens=8192,
-                                        seed=seed, cuda_graphs=tp is None))
+                                        seed=seed, cuda_graphs=not args.eager))
     g = torch.Generator().manual_seed(1000 + seed)
     prompts = [torch.randint(10, model.config.vocab_size, (PROMPT_TOKENS,), generator=g).tolist()
                for _ in range(prompts_here)]
@@ -120,6 +120,7 @@ def main():
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--tp", type=int, default=2, help="0: skip the tensor-parallel run")
     p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--eager", action="store_true", help="decode without CUDA graphs")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -39,6 +39,8 @@ def main():
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (global); G=8 samples each")
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--timeout", type=float, default=120.0, help="dist.timeout_s")
+    p.add_argument("--eager", action="store_true", help="decode without CUDA graphs")
+    p.add_argument("--ready-every", type=int, default=None, help="dist.ready_every (engine steps)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.make_checkpoint:
@@ -56,13 +58,16 @@ def main():
     rng = random.Random(rank)
     task = Task("random-prompts", [{"prompt": t, "answer": ""} for t in prompt_texts(vocab, 64)],
                 [(lambda prompts, completions, **_: [rng.random() for _ in completions], 1.0)])
-    out_dir = f"/tmp/unison_soak_{world}_{args.tp}"
+    # (the final checkpoint holds the fp32 optimizer state: in memory where there is /dev/shm, it saves faster)
+    out_dir = f"{'/dev/shm' if os.path.isdir('/dev/shm') else '/tmp'}/unison_soak_{world}_{args.tp}"
     n = args.prompts * GROUP
     cfg = load_config(TrainConfig, None, [
         f"--output_dir={out_dir}", f"--max_steps={args.steps}", "--tensorboard=false",
         f"--model.name_or_path={args.checkpoint}", f"--model.device={args.device}", f"--dist.tp={args.tp}",
         f"--dist.timeout_s={args.timeout}", f"--rollout.group_size={GROUP}", f"--rollout.samples_per_step={n}",
-        f"--rollout.max_concurrent_rollouts={n}", f"--rollout.max_new_tokens={args.new}", "--optim.lr=1e-6"])
+        f"--rollout.max_concurrent_rollouts={n * args.tp // world}",  # each replica's engine: one step's worth
+        f"--rollout.max_new_tokens={args.new}", "--optim.lr=1e-6", f"--engine.cuda_graphs={not args.eager}",
+        *([f"--dist.ready_every={args.ready_every}"] if args.ready_every else [])])
     t0 = time.perf_counter()
     train(cfg, task)
     wall = time.perf_counter() - t0
@@ -76,9 +81,12 @@ def main():
         return statistics.median(r[key] for r in later)
 
     result = {"shape": shape, "world": world, "tp": args.tp, "replicas": world // args.tp,
-              "samples_per_step": n, "new_tokens": args.new, "steps_completed": len(rows), "steps": args.steps,
+              "samples_per_step": n, "new_tokens": args.new, "cuda_graphs": not args.eager,
+              "ready_every": cfg.dist.ready_every,
+              "steps_completed": len(rows), "steps": args.steps,
               "wall_s": wall, "s_per_step": median("time/step_s"), "rollout_s": median("time/rollout_s"),
               "train_s": median("time/train_s"), "samples_per_s": n / median("time/step_s"),
+              "gen_tokens_per_s": median("rollout/tokens_per_s"),
               "logprob_diff_mean": statistics.mean(r["mismatch/logprob_diff_mean"] for r in rows),
               "logprob_diff_max": max(r["mismatch/logprob_diff_max"] for r in rows)}
     print(json.dumps(result))

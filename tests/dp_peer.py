@@ -3,7 +3,8 @@
     python tests/dp_peer.py OUT        (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment)
 
 Trains the tiny model on this rank's half of fixed samples for 3 steps, once with the optimizer state
-replicated (MasterAdamW) and once sharded (ShardedAdamW), and saves the parameters of both.
+replicated (MasterAdamW) and once sharded (ShardedAdamW), then sharded on uneven shares of the same samples (one
+step gives rank 1 none), and saves the parameters of all three.
 """
 
 from __future__ import annotations
@@ -46,14 +47,20 @@ def step_samples(step: int) -> list[Sample]:
     return out
 
 
-def run(optimizer_cls, rank: int, world: int, group) -> dict[str, torch.Tensor]:
+# Shares of the 8 samples per step when replicas agree on ready counts: uneven, and once nothing for rank 1.
+UNEVEN = [(6, 2), (8, 0), (3, 5)]
+
+
+def run(optimizer_cls, rank: int, world: int, group, uneven: bool = False) -> dict[str, torch.Tensor]:
     model = tiny_llama()
     cfg = OptimConfig(lr=1e-3, weight_decay=0.01, max_grad_norm=1.0)
     opt = optimizer_cls(model.named_parameters(), cfg, STEPS, group) if optimizer_cls is ShardedAdamW else \
         optimizer_cls(model.named_parameters(), cfg, STEPS)
     norms = []
     for step in range(STEPS):
-        mine = step_samples(step)[rank::world]
+        first = UNEVEN[step][0]
+        mine = step_samples(step)[rank::world] if not uneven else \
+            step_samples(step)[:first] if rank == 0 else step_samples(step)[first:]
         norms.append(train_step(model, opt, mine, LossConfig(), 1.0, 64, 0, 16, dp_group=group)["optim/grad_norm"])
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "grad_norms": norms}
 
@@ -62,7 +69,8 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
-    result = {"replicated": run(MasterAdamW, rank, world, group), "sharded": run(ShardedAdamW, rank, world, group)}
+    result = {"replicated": run(MasterAdamW, rank, world, group), "sharded": run(ShardedAdamW, rank, world, group),
+              "uneven": run(ShardedAdamW, rank, world, group, uneven=True)}
     torch.save(result, os.path.join(sys.argv[1], f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -185,3 +185,16 @@ def test_auto_model_dtype_on_every_cuda_device():
 
     assert [model_dtype("auto", d) for d in ("cuda", "cuda:1", "cpu")] == ["bfloat16", "bfloat16", "float32"]
     assert model_dtype("float32", "cuda:0") == "float32"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--dist.tp=0", "dist.tp must be >= 1"),
+    ("--dist.ready_every=0", "dist.ready_every must be >= 1"),
+    ("--dist.timeout_s=0", "dist.timeout_s must be > 0"),
+])
+def test_dist_errors_name_the_key(override, message):
+    from unison.config import load_config
+    from unison.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match=message):
+        load_config(TrainConfig, None, [override])

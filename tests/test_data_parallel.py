@@ -15,6 +15,7 @@ from conftest import tiny_llama
 from dp_peer import STEPS, step_samples
 
 from unison.dist.data_parallel import assign_owners
+from unison.dist.runtime import split_ready
 from unison.train.loss import LossConfig
 from unison.train.optimizer import MasterAdamW, OptimConfig
 from unison.train.step import train_step
@@ -43,6 +44,7 @@ def test_two_replicas_equal_one_process(tmp_path):
     assert min(norms) > 0  # the loss really trains (no token dropped by the importance-sampling bounds)
     for r in ranks:  # the summed gradient is the one-process gradient, scale included (AdamW would hide a scale)
         assert r["replicated"]["grad_norms"] == r["sharded"]["grad_norms"]
+        assert all(abs(a - b) <= 1e-5 * b for a, b in zip(r["uneven"]["grad_norms"], norms, strict=True))
         assert all(abs(a - b) <= 1e-5 * b for a, b in zip(r["replicated"]["grad_norms"], norms, strict=True))
     start = dict(tiny_llama().named_parameters())
     for name, p in single.items():
@@ -52,7 +54,36 @@ def test_two_replicas_equal_one_process(tmp_path):
             torch.testing.assert_close(r["replicated"]["params"][name], p.detach(), rtol=1e-5, atol=1e-6)
             # Sharding the optimizer state changes nothing, bit for bit.
             assert torch.equal(r["sharded"]["params"][name], r["replicated"]["params"][name]), name
+            # Uneven shares of the same samples (replicas that agreed on ready counts) make the same update too,
+            # up to AdamW turning fp32 summation noise into a few % of a step where a gradient is ~0 (as in the
+            # tensor-parallel test); a wrong gradient or scale moves elements by a whole step (lr 1e-3).
+            torch.testing.assert_close(r["uneven"]["params"][name], p.detach(), rtol=0, atol=1e-4)
     assert any(not torch.equal(p.detach(), start[n]) for n, p in single.items())  # the steps did move them
+
+
+def test_replicas_agree_on_when_to_train(tmp_path):
+    """A replica that scores samples faster trains more of each step's samples; every step has exactly
+    samples_per_step between the replicas, and both took part in the same number of agreements (no hang)."""
+    port = free_port()
+    procs = [launch([sys.executable, os.path.join(os.path.dirname(__file__), "ready_peer.py"), str(tmp_path)],
+                    port, rank) for rank in range(2)]
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out[-3000:]
+    fast, slow = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert [a + b for a, b in zip(fast["shares"], slow["shares"], strict=True)] == [16] * 4
+    assert sum(fast["shares"]) > 2 * sum(slow["shares"]) > 0
+    assert fast["calls"] == slow["calls"] >= 4
+
+
+def test_split_ready():
+    assert split_ready([10, 10], 16) == [8, 8]
+    assert split_ready([3, 20], 16) == [3, 13]  # short of an even share: the others make up the rest
+    assert split_ready([0, 16, 4], 16) == [0, 12, 4]
+    assert split_ready([7, 8], 16) is None
+    for counts in ([5, 1, 30, 2], [9, 9, 9, 9], [0, 0, 40, 1]):
+        shares = split_ready(counts, 24)
+        assert sum(shares) == 24 and all(0 <= s <= c for s, c in zip(shares, counts, strict=True))
 
 
 def test_owners_balance_the_elements():

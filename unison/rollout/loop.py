@@ -27,9 +27,9 @@ class RolloutConfig:
     group_size: int = 8
     """Samples per prompt (G); advantages are relative within a group."""
     samples_per_step: int = 32
-    """Scored samples per optimizer step; a multiple of group_size."""
+    """Scored samples per optimizer step (of all data-parallel replicas together); a multiple of group_size."""
     max_concurrent_rollouts: int = 64
-    """Samples in flight in the engine at once."""
+    """Samples in flight in the engine at once (per engine: each data-parallel replica has one)."""
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
@@ -70,6 +70,7 @@ class RolloutLoop:
         self.engine, self.tokenizer, self.rows, self.cfg = engine, tokenizer, rows, cfg
         self.system_prompt = system_prompt
         self.scorer = RewardScorer(reward_fns)
+        self.agreement = None  # data-parallel replicas: set by unison.train.loop
         self.params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                      top_p=cfg.top_p, top_k=cfg.top_k, n=cfg.group_size,
                                      stop_token_ids=stop_token_ids)
@@ -88,14 +89,25 @@ class RolloutLoop:
         self.gen_time = 0.0
 
     def next_batch(self, trainer_version: int) -> tuple[list[Sample], dict[str, float]]:
-        """Step the engine until ``samples_per_step`` fresh scored samples are ready; return them and metrics."""
+        """Step the engine until ``samples_per_step`` fresh scored samples are ready; return them and metrics.
+
+        With data-parallel replicas (``self.agreement``, a ``unison.dist.runtime.ReadyAgreement``)
+        ``samples_per_step`` counts the samples of all of them, and this replica returns its agreed share."""
         t0 = time.perf_counter()
-        start_epoch = self.epoch
+        start_epoch, engine_steps = self.epoch, 0
         while True:
             self._drop_stale(trainer_version)
-            if len(self.ready) >= self.cfg.samples_per_step:
+            stuck = self.epoch > start_epoch + 2
+            if self.agreement is None:
+                take = self.cfg.samples_per_step if len(self.ready) >= self.cfg.samples_per_step else None
+            elif engine_steps % self.agreement.every == 0:  # the same cadence on every replica: the calls match
+                shares = self.agreement.shares(len(self.ready), stuck and not self.ready)
+                take = shares[self.agreement.replica.rank] if shares is not None else None
+            else:
+                take = None
+            if take is not None:
                 break
-            if self.epoch > start_epoch + 2:
+            if stuck and self.agreement is None:  # (replicas say so at their next agreement, all at once)
                 raise RuntimeError(f"two passes over the prompts gave no batch: {self.counts['zero_std_groups']} "
                                    "groups so far had rewards without spread (all equal, or fewer than two "
                                    "scored), which carry no signal")
@@ -103,7 +115,8 @@ class RolloutLoop:
             t = time.perf_counter()
             self._land(self.engine.step())
             self.gen_time += time.perf_counter() - t
-        batch, self.ready = self.ready[:self.cfg.samples_per_step], self.ready[self.cfg.samples_per_step:]
+            engine_steps += 1
+        batch, self.ready = self.ready[:take], self.ready[take:]
         return batch, self._metrics(batch, trainer_version, time.perf_counter() - t0)
 
     def state_dict(self) -> dict:

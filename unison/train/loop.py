@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from ..config import dump_config
 from ..dist.data_parallel import ShardedAdamW
-from ..dist.runtime import Replica, check_replicas_agree, init_replicas, reduce_metrics
+from ..dist.runtime import ReadyAgreement, check_replicas_agree, init_replicas, reduce_metrics
 from ..dist.tensor_parallel import (
     BroadcastScorer,
     ShardedTensorParallelAdamW,
@@ -53,15 +53,16 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     tp = replica = None
     if cfg.dist.tp > 1:  # the ranks of a replica hold a shard each of one model and roll out the same samples
         tp, replica = init_tensor_parallel(cfg.dist.tp, cfg.dist.timeout_s, torch.device(device).type)
-        device, cfg = str(tp.device), _tensor_parallel(cfg)
+        device = str(tp.device)
     else:
         replica = init_replicas(cfg.dist, torch.device(device).type)
     scaled_out = replica is not None or tp is not None  # (a sync process group, if any, comes later and is not this)
+    if scaled_out and (cfg.optim.placement == "host" or cfg.sync.mode != "colocated"):
+        raise ValueError("data-parallel replicas and tensor parallelism run colocated with optim.placement=gpu for now")
     rank = dist.get_rank() if scaled_out else 0  # names this process's trainer state
     main = rank == 0
     if replica is not None:
         device = str(replica.device)
-        cfg = _per_replica(cfg, replica)
     if main:
         os.makedirs(cfg.output_dir, exist_ok=True)
         dump_config(cfg, os.path.join(cfg.output_dir, "config.yaml"))
@@ -110,6 +111,8 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
                           system_prompt=task.system_prompt)
     if tp is not None:
         rollout.scorer = BroadcastScorer(rollout.scorer, tp)  # rewards run once, on rank 0
+    if replica is not None:  # the replicas train together once their scored samples add up to a step's
+        rollout.agreement = ReadyAgreement(replica, cfg.rollout.samples_per_step, cfg.dist.ready_every)
     start = 1
     if cfg.resume:
         saved = load_trainer_state(cfg.resume, rank)
@@ -171,7 +174,10 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     _save(os.path.join(cfg.output_dir, "checkpoint"), cfg.max_steps, rank, model, tokenizer, optimizer, rollout, tp,
           scaled_out)
     if scaled_out:
+        if getattr(engine, "runner", None) is not None:
+            engine.runner.reset()  # the decode graphs hold the communicators' kernels: freed before them
         dist.destroy_process_group()
+        log.info("rank %d left the process group", rank)
     if main:
         writer.plot()
         writer.close()
@@ -183,6 +189,7 @@ def _save(path: str, step: int, rank: int, model, tokenizer, optimizer, rollout:
           tp: TensorParallel | None, scaled_out: bool) -> None:
     """The HF checkpoint (rank 0; under tensor parallelism every rank helps gather the full weights), then every
     rank's trainer state beside it, for ``resume``."""
+    t0 = time.perf_counter()
     state = full_state_dict(model) if tp is not None else None  # a collective: every rank of a replica gathers
     if rank == 0:
         save_hf_checkpoint(model, tokenizer, path, state)
@@ -191,25 +198,7 @@ def _save(path: str, step: int, rank: int, model, tokenizer, optimizer, rollout:
     save_trainer_state(path, rank,
                        {"step": step, "optimizer": optimizer.state_dict(), "rollout": rollout.state_dict(),
                         "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()})
-
-
-def _tensor_parallel(cfg: TrainConfig) -> TrainConfig:
-    """What tensor parallelism supports so far; decode steps run eagerly (no CUDA graphs across collectives
-    yet)."""
-    if cfg.optim.placement == "host" or cfg.sync.mode != "colocated":
-        raise ValueError("tensor parallelism runs colocated with optim.placement=gpu for now")
-    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, cuda_graphs=False))
-
-
-def _per_replica(cfg: TrainConfig, replica: Replica) -> TrainConfig:
-    """Each replica produces its share of the step's samples."""
-    share, group = cfg.rollout.samples_per_step // replica.world, cfg.rollout.group_size
-    if share * replica.world != cfg.rollout.samples_per_step or share % group:
-        raise ValueError(f"rollout.samples_per_step={cfg.rollout.samples_per_step} must split into {replica.world} "
-                         f"replicas of whole groups of {group}")
-    if cfg.optim.placement == "host" or cfg.sync.mode != "colocated":
-        raise ValueError("data-parallel replicas run colocated with optim.placement=gpu for now")
-    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, samples_per_step=share))
+    log.info("rank %d saved %s in %.1f s", rank, path, time.perf_counter() - t0)
 
 
 def model_dtype(dtype: str, device: str) -> str:

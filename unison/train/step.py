@@ -45,14 +45,18 @@ def train_step(model: torch.nn.Module, optimizer: MasterAdamW, samples: list[Sam
             total_loss += loss.item()
             acc.add(metrics)
     if dp_group is not None:
-        all_reduce_grads([p for p in model.parameters() if p.requires_grad], dp_group)
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:  # a replica that trained no row this step still adds its (zero) gradient
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        all_reduce_grads(params, dp_group)
     stats = optimizer.step()
     optimizer.zero_grad()
     out = acc.reduce()
     out.pop("tokens")
     out.update({"loss": total_loss, "optim/lr": stats.lr, "optim/grad_norm": stats.grad_norm,
                 "optim/changed_frac": stats.changed_fraction, "train/rows": float(len(rows)),
-                "train/loss_tokens": float(local_tokens),
+                "train/loss_tokens": float(local_tokens), "train/samples": float(len(samples)),
                 "train/tokens": float(sum(s.num_tokens for s in samples))})
     return out
 

@@ -1,0 +1,51 @@
+"""One replica of a two-process rollout that agrees on when to train (run by tests/test_data_parallel.py; not a
+test module).
+
+    python tests/ready_peer.py OUT        (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment)
+
+Rank 0 keeps 16 samples of up to 4 tokens in flight, rank 1 one group of up to 12: rank 0 scores samples
+several times faster. Both agree every 2 engine steps on 4 batches of 16 samples between them; each saves the
+size of its share of every batch and how often it took part in an agreement.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_rollout import count_w7, make_loop  # noqa: E402
+
+from unison.dist.runtime import ReadyAgreement, Replica  # noqa: E402
+
+
+class Counting(ReadyAgreement):
+    calls = 0
+
+    def shares(self, ready, stuck):
+        self.calls += 1
+        return super().shares(ready, stuck)
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    cfg = dict(max_concurrent_rollouts=16, max_new_tokens=4) if rank == 0 else \
+        dict(max_concurrent_rollouts=4, max_new_tokens=12)
+    loop = make_loop([(count_w7, 1.0)], samples_per_step=16, max_staleness=10, **cfg)
+    loop.agreement = Counting(Replica(rank, 2, torch.device("cpu"), dist.group.WORLD), total=16, every=2)
+    shares = []
+    for version in range(4):
+        batch, _ = loop.next_batch(trainer_version=version)
+        shares.append(len(batch))
+    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+        json.dump({"shares": shares, "calls": loop.agreement.calls}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
