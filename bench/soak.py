@@ -41,6 +41,7 @@ def main():
     p.add_argument("--timeout", type=float, default=120.0, help="dist.timeout_s")
     p.add_argument("--eager", action="store_true", help="decode without CUDA graphs")
     p.add_argument("--ready-every", type=int, default=None, help="dist.ready_every (engine steps)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other train setting")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.make_checkpoint:
@@ -67,7 +68,7 @@ def main():
         f"--dist.timeout_s={args.timeout}", f"--rollout.group_size={GROUP}", f"--rollout.samples_per_step={n}",
         f"--rollout.max_concurrent_rollouts={n * args.tp // world}",  # each replica's engine: one step's worth
         f"--rollout.max_new_tokens={args.new}", "--optim.lr=1e-6", f"--engine.cuda_graphs={not args.eager}",
-        *([f"--dist.ready_every={args.ready_every}"] if args.ready_every else [])])
+        *([f"--dist.ready_every={args.ready_every}"] if args.ready_every else []), *(f"--{kv}" for kv in args.set)])
     t0 = time.perf_counter()
     train(cfg, task)
     wall = time.perf_counter() - t0
@@ -86,7 +87,8 @@ def main():
               "steps_completed": len(rows), "steps": args.steps,
               "wall_s": wall, "s_per_step": median("time/step_s"), "rollout_s": median("time/rollout_s"),
               "train_s": median("time/train_s"), "samples_per_s": n / median("time/step_s"),
-              "gen_tokens_per_s": median("rollout/tokens_per_s"),
+              "gen_tokens_per_s": median("rollout/tokens_per_s"), "engine_steps": median("rollout/engine_steps"),
+              "kv_dropped_tokens": median("engine/kv_dropped_tokens") if "engine/kv_dropped_tokens" in rows[0] else 0,
               "logprob_diff_mean": statistics.mean(r["mismatch/logprob_diff_mean"] for r in rows),
               "logprob_diff_max": max(r["mismatch/logprob_diff_max"] for r in rows)}
     print(json.dumps(result))

@@ -13,10 +13,11 @@ from unison.train.optimizer import MasterAdamW, OptimConfig, make_optimizer
 from unison.train.streamed import HostAdamW
 
 
-def seeded_run(lend_after: int | None):
+def seeded_run(lend_after: int | None, prefix_caching: bool = True):
     """Seeded samples of 4 prompts; optionally lend the pool away (and back) after ``lend_after`` steps."""
     model = tiny_llama()
-    engine = Engine(model, EngineConfig(num_blocks=64, block_size=4, max_batch_tokens=32, seed=0))
+    engine = Engine(model, EngineConfig(num_blocks=64, block_size=4, max_batch_tokens=32, seed=0,
+                                        prefix_caching=prefix_caching))
     for i, prompt in enumerate(random_prompts([5, 9, 3, 12])):
         engine.submit(prompt, SamplingParams(max_new_tokens=20, n=2, seed=i, stop_token_ids=()))
     done, steps = [], 0
@@ -44,6 +45,15 @@ def test_lending_changes_no_completion():
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
     assert max_logprob_diff(model, lent) < 1e-4
+
+
+def test_lending_reports_the_kv_it_drops():
+    """What a lend reports as dropped is the work it adds: without the prefix cache (whose hits would spare some
+    of it), exactly the tokens recomputed afterwards."""
+    _, plain, _ = seeded_run(None, prefix_caching=False)
+    _, lent, _ = seeded_run(lend_after=7, prefix_caching=False)
+    dropped = lent.stats()["kv_dropped_tokens"]
+    assert dropped > 0 and lent.stats()["tokens_computed"] - plain.stats()["tokens_computed"] == dropped
 
 
 @pytest.mark.parametrize("chunk", [7, 10_000])

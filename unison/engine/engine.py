@@ -95,7 +95,8 @@ class Engine:
         self._phases: dict[str, float] | None = None
         self._phase_t = 0.0
         self._counters = {"steps": 0, "graph_steps": 0, "tokens_computed": 0, "tokens_generated": 0,
-                          "step_s": 0.0, "wait_s": 0.0, "kv_lent_bytes": 0}
+                          "step_s": 0.0, "wait_s": 0.0, "kv_lent_bytes": 0,
+                          "kv_dropped_tokens": 0}
 
     def _default_backend(self, kv_heads: int) -> AttentionBackend:
         choice = self.config.attention
@@ -222,7 +223,7 @@ class Engine:
         and logprobs are kept); the prefix cache is emptied. On exit the step's cached allocator blocks go back
         to the device so the pool can be taken again; CUDA graphs stay valid where the pool keeps its address
         (CUDA virtual memory) and are recaptured on their next use otherwise. Do not step the engine inside."""
-        self.scheduler.preempt_all()
+        self._counters["kv_dropped_tokens"] += self.scheduler.preempt_all()
         self.allocator.clear_cache()
         lent = self.pool.release()
         self._counters["kv_lent_bytes"] = lent

@@ -178,11 +178,15 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
-    def preempt_all(self) -> None:
+    def preempt_all(self) -> int:
+        """Every running request back to the queue, its KV dropped. Returns the tokens whose KV it held (what they
+        recompute when next scheduled, less any prefix-cache hits)."""
+        dropped = sum(req.num_computed for req in self.running)
         for req in reversed(self.running):
             self._drop_kv(req)
             self.waiting.appendleft(req)
         self.running.clear()
+        return dropped
 
     def finish(self, req: Request) -> None:
         self.running.remove(req)

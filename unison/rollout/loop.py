@@ -117,7 +117,9 @@ class RolloutLoop:
             self.gen_time += time.perf_counter() - t
             engine_steps += 1
         batch, self.ready = self.ready[:take], self.ready[take:]
-        return batch, self._metrics(batch, trainer_version, time.perf_counter() - t0)
+        metrics = self._metrics(batch, trainer_version, time.perf_counter() - t0)
+        metrics["rollout/engine_steps"] = float(engine_steps)
+        return batch, metrics
 
     def state_dict(self) -> dict:
         """Data order and sampling seeds (for resuming); groups in flight are not saved: they are rolled out

@@ -128,6 +128,7 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
              device, dtype, cfg.max_steps, len(task.rows))
 
     metrics: dict[str, float] = {}
+    kv_dropped = 0
     bar = tqdm(range(start, cfg.max_steps + 1), desc="unison train", dynamic_ncols=True, disable=not main)
     for step in bar:
         t0 = time.perf_counter()
@@ -150,6 +151,9 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
             metrics.update(publisher.after_step(optimizer.step_count, optimizer.changed_masks))
         t2 = time.perf_counter()
         metrics["memory/kv_lent_gib"] = lent / 2**30
+        if lend:  # samples in flight when the step borrowed their KV: they recompute it before decoding on
+            dropped = engine.stats()["kv_dropped_tokens"]
+            metrics["engine/kv_dropped_tokens"], kv_dropped = float(dropped - kv_dropped), dropped
         if model.device.type == "cuda":
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(model.device) / 2**30
             torch.cuda.reset_peak_memory_stats(model.device)
