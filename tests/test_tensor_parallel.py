@@ -12,10 +12,12 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import tiny_tokenizer
 from tp_peer import OPTIM, STEPS, run
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from unison.dist.tensor_parallel import _fp32_product
 from unison.models import load_policy
 from unison.train.checkpoint import load_trainer_state
 from unison.train.optimizer import MasterAdamW
@@ -63,6 +65,7 @@ def test_two_ranks_equal_one_process(qwen3_dir, tmp_path):
         # The engine decodes on plain local shards: all 7 projections of both layers, DTensor's hooks set aside
         # for the block and back afterwards (the training forward needs them).
         assert r["local_forward"] == {"switched": 14, "hooks_inside": 0, "hooks_after": 1}
+        assert r["training_switches"] == 14 * STEPS  # and so did every training step's forward and backward
         # Same tokens before and after training; logprobs and norms up to fp32 summation order.
         assert r["tokens"] == single["tokens"] and r["tokens_after"] == single["tokens_after"]
         for key in ("logprobs", "logprobs_after"):
@@ -78,6 +81,20 @@ def test_two_ranks_equal_one_process(qwen3_dir, tmp_path):
             assert torch.equal(value, ranks[0]["replicated"][name]), name
     assert single["norms"][0] > 0 and single["tokens_after"] != single["tokens"]  # the steps really moved it
     assert any("q_norm" in n and not torch.equal(v, start[n]) for n, v in model.state_dict().items())
+
+
+def test_rowwise_partials_round_once_as_one_process():
+    """A row-wise projection's two partial products, summed in fp32 and rounded once (``rowwise_reduce``), give
+    the bf16 output one process gives; summing bf16 partials (as DTensor's Partial placement does) differs in
+    over a third of the elements."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 512, generator=g).bfloat16(), torch.randn(256, 512, generator=g).bfloat16()
+    one_process = F.linear(x, w)
+    halves = [(x[:, :256], w[:, :256]), (x[:, 256:], w[:, 256:])]
+    fp32_partials = sum(_fp32_product(a, b) for a, b in halves).bfloat16()
+    bf16_partials = sum(F.linear(a, b) for a, b in halves)
+    assert (fp32_partials == one_process).float().mean() > 0.999
+    assert (bf16_partials == one_process).float().mean() < 0.7
 
 
 def torchrun_train(model_dir: str, out, *overrides: str, processes: int = 2) -> None:

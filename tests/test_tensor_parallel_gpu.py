@@ -46,3 +46,19 @@ def test_tensor_parallel_decode_graphs_on_two_gpus(tmp_path):
         assert r["diff"] < 1e-3 and r["eager_diff"] < 1e-3 and r["diff_after"] < 1e-3
         assert r["tokens"] == ranks[0]["tokens"] and r["tokens_after"] == ranks[0]["tokens_after"]
     assert ranks[0]["tokens_after"] != ranks[0]["tokens"]  # the step moved the weights the graphs read
+
+
+def test_fp32_partial_products_on_gpu():
+    """The row-wise partial product on a GPU comes out of cuBLAS in fp32 (``torch.mm(..., out_dtype=)``), and two
+    of them summed and rounded once give what one bf16 GEMM of the whole gives."""
+    from unison.dist.tensor_parallel import _fp32_product, _mm_writes_fp32
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(64, 2048, generator=g, device="cuda").bfloat16()
+    w = torch.randn(1024, 2048, generator=g, device="cuda").bfloat16()
+    assert _mm_writes_fp32(x.device)
+    product = _fp32_product(x, w)
+    assert product.dtype == torch.float32
+    torch.testing.assert_close(product, x.float() @ w.float().T, rtol=1e-5, atol=1e-3)
+    halves = sum(_fp32_product(x[:, k:k + 1024], w[:, k:k + 1024]) for k in (0, 1024)).bfloat16()
+    assert (halves == torch.nn.functional.linear(x, w)).float().mean() > 0.99

@@ -14,6 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from unison.dist import tensor_parallel
 from unison.dist.tensor_parallel import TensorParallelAdamW, full_state_dict, init_tensor_parallel
 from unison.engine import Engine, EngineConfig, SamplingParams
 from unison.models import load_policy
@@ -53,7 +54,10 @@ def main():
     model_dir, out = sys.argv[1:]
     tp, _ = init_tensor_parallel(2, 120.0, "cpu")
     model, _ = load_policy(model_dir, dtype=torch.float32, tp_mesh=tp.mesh)
+    switches, training_linear = [], tensor_parallel._training_linear
+    tensor_parallel._training_linear = lambda module, style: switches.append(style) or training_linear(module, style)
     result = run(model, lambda m: TensorParallelAdamW(m, OPTIM, STEPS, tp))
+    result["training_switches"] = len(switches)
     q_proj = model.model.layers[0].self_attn.q_proj
     with model.unison_local_forward() as switched:  # what the engine's forwards ran under
         result["local_forward"] = {"switched": switched, "hooks_inside": len(q_proj._forward_pre_hooks)}

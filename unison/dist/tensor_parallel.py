@@ -16,14 +16,16 @@ own hook for them all-reduces the accumulated gradient after every backward, whi
 accumulation: one backward per packed row). transformers' own loader is not used for the sharding because it
 insists that the tensor-parallel size be the whole world.
 
-The engine's forwards skip DTensor: ``LocalForward`` runs each sharded projection on its plain local shard with
-one explicit all-reduce per row-wise projection (DTensor's per-call dispatch cost more than a decode step).
+The forwards skip DTensor: ``LocalForward`` runs each sharded projection on its plain local shard with one explicit
+all-reduce per row-wise projection, of fp32 partial products (DTensor's per-call dispatch cost more than a decode
+step, and its bf16 partial sums added rounding noise); the parameters, gradients and optimizer stay DTensors.
 With several replicas ``ShardedTensorParallelAdamW`` splits each rank's optimizer state across them (ZeRO-1).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 import os
 from collections import OrderedDict
@@ -100,26 +102,31 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
 class LocalForward:
     """``with model.unison_local_forward():`` every projection ``parallelize`` sharded computes on its local shard as
     a plain tensor: a column-wise one is ``F.linear`` with its rows of the weight (the output stays split along the
-    last dimension, as the style's local output is), a row-wise one ``F.linear`` with its columns, summed over the
-    tp group by one all-reduce, plus the bias. That is what DTensor's hooks compute, minus their per-call dispatch
-    and sharding propagation, which cost more than a decode step itself: a 1.7B shape under tp=2 decoded at ~0.6 s
-    per step on two H200s; a 4-layer model's decode step on the CPU took 104 ms through DTensor, 31 ms this way and
-    13-16 ms in one process. For forwards without autograd (the engine's); the training step keeps DTensor, whose
-    backward knows the shards. The weights are the parameters' own local tensors, looked up on each entry, so
-    in-place updates show."""
+    last dimension, as the style's local output is), a row-wise one a partial product with its columns, summed over
+    the tp group by one all-reduce in fp32 and rounded once (``rowwise_reduce``), plus the bias.
+
+    That is what DTensor's hooks compute, minus their per-call dispatch and sharding propagation, which cost more
+    than a decode step itself: a 1.7B shape under tp=2 decoded at ~0.6 s per step on two H200s; a 4-layer model's
+    decode step on the CPU took 104 ms through DTensor, 31 ms this way and 13-16 ms in one process.
+
+    ``train=True`` (the training step) keeps autograd: the weights are read through ``to_local()`` on every call,
+    so their gradients land on the DTensor parameters as DTensor shards, a column-wise input's gradient is summed
+    over the group in the backward, and a row-wise projection's input gradient stays local. Without it (the
+    engine's forwards, no autograd) the local tensors are looked up on entry; in-place updates show either way.
+    """
 
     def __init__(self, model: torch.nn.Module):
         self.modules = [(m, m.unison_tp_style) for m in model.modules() if hasattr(m, "unison_tp_style")]
 
     @contextmanager
-    def __call__(self) -> Iterator[int]:
+    def __call__(self, train: bool = False) -> Iterator[int]:
         saved = []
         with torch.no_grad():
             for module, style in self.modules:
                 state = module.__dict__  # directly: nn.Module.__setattr__ costs more than the swap itself
                 saved.append((state["_forward_pre_hooks"], state["_forward_hooks"], state.get("forward")))
                 state["_forward_pre_hooks"], state["_forward_hooks"] = OrderedDict(), OrderedDict()
-                state["forward"] = _local_linear(module, style)
+                state["forward"] = (_training_linear if train else _local_linear)(module, style)
         try:
             yield len(saved)
         finally:
@@ -132,6 +139,36 @@ class LocalForward:
                     state["forward"] = own
 
 
+def rowwise_reduce(x: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
+    """``x @ weight.T`` summed over ``group``, where each rank holds a slice of the inner dimension: the partial
+    products stay in fp32 through the all-reduce and are rounded to ``x.dtype`` once, as one process rounds its one
+    fp32-accumulated product. Reducing bf16 partials instead rounds three times, in ways that differ between the
+    engine's and the trainer's kernels: their mean logprob difference grew ~7% under tp=2 on two H200s and ~10% on
+    the CPU (bench/tp_rounding.py)."""
+    y = _fp32_product(x.reshape(-1, x.shape[-1]), weight)
+    dist.all_reduce(y, group=group)
+    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def _fp32_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(M, K) @ (N, K).T accumulated and returned in fp32 (bf16 inputs on a GPU: cuBLAS writes its fp32
+    accumulator out, ``torch.mm(..., out_dtype=)``, torch >= 2.8)."""
+    if x.dtype == torch.float32:
+        return x @ weight.T
+    if x.is_cuda and _mm_writes_fp32(x.device):
+        return torch.mm(x, weight.T, out_dtype=torch.float32)
+    return x.float() @ weight.float().T  # exact upcasts: the same products, accumulated in fp32
+
+
+@functools.cache
+def _mm_writes_fp32(device: torch.device) -> bool:
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
 def _local_linear(module: torch.nn.Linear, style: str) -> Callable[[torch.Tensor], torch.Tensor]:
     weight, bias = local(module.weight), local(module.bias) if module.bias is not None else None
     if style == "colwise":
@@ -139,10 +176,56 @@ def _local_linear(module: torch.nn.Linear, style: str) -> Callable[[torch.Tensor
     group = module.weight.device_mesh.get_group()
 
     def rowwise(x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, weight)
-        dist.all_reduce(y, group=group)
+        y = rowwise_reduce(x, weight, group)
         return y if bias is None else y + bias
     return rowwise
+
+
+def _training_linear(module: torch.nn.Linear, style: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    group = module.weight.device_mesh.get_group()
+
+    def colwise(x: torch.Tensor) -> torch.Tensor:
+        bias = module.bias.to_local() if module.bias is not None else None
+        return F.linear(_SumGradOverGroup.apply(x, group), module.weight.to_local(), bias)
+
+    def rowwise(x: torch.Tensor) -> torch.Tensor:
+        y = _RowwiseLinear.apply(x, module.weight.to_local(), group)
+        return y if module.bias is None else y + module.bias.to_local()
+    return colwise if style == "colwise" else rowwise
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """The input of a column-wise projection: the same on every rank going forward; going backward each rank's
+    gradient covers only its output columns, so they are summed."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _RowwiseLinear(torch.autograd.Function):
+    """``rowwise_reduce`` with its gradients: the output's gradient is the same on every rank, so the input's (this
+    rank's slice) and the weight's (this rank's columns) need no collective."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return rowwise_reduce(x, weight, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad2d = grad.reshape(-1, grad.shape[-1])
+        grad_x = (grad2d @ weight).view_as(x)
+        grad_w = grad2d.T @ x.reshape(-1, x.shape[-1])
+        return grad_x, grad_w, None
 
 
 def partial_grad_names(model: torch.nn.Module) -> list[str]:

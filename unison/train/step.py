@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -34,7 +34,10 @@ def train_step(model: torch.nn.Module, optimizer: MasterAdamW, samples: list[Sam
     num_loss_tokens = int(global_sum(local_tokens, dp_group, device)) if dp_group is not None else local_tokens
     acc = MetricAccumulator()
     total_loss = 0.0
-    with checkpointed_layers(model, activation_checkpointing):
+    # Under tensor parallelism: the local shards with explicit collectives (unison.dist.tensor_parallel).
+    local_forward = getattr(model, "unison_local_forward", None)
+    with checkpointed_layers(model, activation_checkpointing), \
+            local_forward(train=True) if local_forward is not None else nullcontext():
         for row in rows:
             row = row.to(device)
             logprobs, _ = policy_logprobs(model, row, temperature=temperature or 1.0, chunk_size=logprob_chunk)
