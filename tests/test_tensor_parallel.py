@@ -121,6 +121,19 @@ def test_torchrun_train_with_tensor_parallelism(qwen3_dir, tmp_path):
     assert [json.loads(line)["step"] for line in (resumed / "metrics.jsonl").read_text().splitlines()] == [2]
 
 
+def test_tensor_parallel_activation_checkpointing_changes_nothing(qwen3_dir, tmp_path):
+    """Checkpointed layers recompute their forward, collectives included, inside the backward: the same update."""
+    for name, flag in (("plain", "false"), ("checkpointed", "true")):
+        torchrun_train(qwen3_dir, tmp_path / name, "--dist.tp=2", "--max_steps=2",
+                       f"--memory.activation_checkpointing={flag}")
+    checkpointed = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpointed" / "checkpoint").state_dict()
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "plain" / "checkpoint").state_dict()
+    start = AutoModelForCausalLM.from_pretrained(qwen3_dir).state_dict()
+    assert any(not torch.equal(v, start[k]) for k, v in plain.items())
+    for name, value in plain.items():
+        torch.testing.assert_close(checkpointed[name], value, rtol=0, atol=1e-6, msg=name)
+
+
 def test_data_parallel_replicas_of_tensor_parallel_groups(qwen3_dir, tmp_path):
     """4 processes as dp=2 x tp=2 make the update that 2 data-parallel replicas of the whole model make: the same
     rollouts (each replica's seed is the run's plus its dp rank) and the same summed gradient."""
