@@ -1,11 +1,12 @@
 """One replica of a two-process rollout that agrees on when to train (run by tests/test_data_parallel.py; not a
 test module).
 
-    python tests/ready_peer.py OUT        (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment)
+    python tests/ready_peer.py OUT [both_score|one_scores|none_score]      (RANK, WORLD_SIZE, ... from the environment)
 
 Rank 0 keeps 16 samples of up to 4 tokens in flight, rank 1 one group of up to 12: rank 0 scores samples
 several times faster. Both agree every 2 engine steps on 4 batches of 16 samples between them; each saves the
-size of its share of every batch and how often it took part in an agreement.
+size of its share of every batch and how often it took part in an agreement. A constant reward (rank 1's with
+``one_scores``, both ranks' with ``none_score``) gives groups without signal, which are never trained on.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ def main():
     rank = dist.get_rank()
     cfg = dict(max_concurrent_rollouts=16, max_new_tokens=4) if rank == 0 else \
         dict(max_concurrent_rollouts=4, max_new_tokens=12)
-    loop = make_loop([(count_w7, 1.0)], samples_per_step=16, max_staleness=10, **cfg)
+    mode = sys.argv[2] if len(sys.argv) > 2 else "both_score"
+    silent = mode == "none_score" or (mode == "one_scores" and rank == 1)
+    reward = (lambda prompts, completions, **_: [1.0] * len(completions)) if silent else count_w7
+    loop = make_loop([(reward, 1.0)], samples_per_step=16, max_staleness=10, **cfg)
     loop.agreement = Counting(Replica(rank, 2, torch.device("cpu"), dist.group.WORLD), total=16, every=2)
     shares = []
     for version in range(4):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -64,16 +65,34 @@ def test_two_replicas_equal_one_process(tmp_path):
 def test_replicas_agree_on_when_to_train(tmp_path):
     """A replica that scores samples faster trains more of each step's samples; every step has exactly
     samples_per_step between the replicas, and both took part in the same number of agreements (no hang)."""
-    port = free_port()
-    procs = [launch([sys.executable, os.path.join(os.path.dirname(__file__), "ready_peer.py"), str(tmp_path)],
-                    port, rank) for rank in range(2)]
-    for p in procs:
-        out, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, out[-3000:]
+    for code, out in run_ready_peers(tmp_path, "both_score"):
+        assert code == 0, out[-3000:]
     fast, slow = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert [a + b for a, b in zip(fast["shares"], slow["shares"], strict=True)] == [16] * 4
     assert sum(fast["shares"]) > 2 * sum(slow["shares"]) > 0
     assert fast["calls"] == slow["calls"] >= 4
+
+
+def run_ready_peers(tmp_path, mode: str) -> list[tuple[int, str]]:
+    tmp_path.mkdir(exist_ok=True)
+    port = free_port()
+    procs = [launch([sys.executable, os.path.join(os.path.dirname(__file__), "ready_peer.py"), str(tmp_path), mode],
+                    port, rank) for rank in range(2)]
+    return [(p.returncode, out) for p in procs for out, _ in [p.communicate(timeout=300)]]
+
+
+def test_replicas_without_signal(tmp_path):
+    """A replica whose groups carry no signal (a constant reward) trains nothing while the other supplies every
+    step; when no replica has any, every one stops with the same error at an agreement, none waits for the rest."""
+    for code, out in run_ready_peers(tmp_path / "one", "one_scores"):
+        assert code == 0, out[-3000:]
+    scoring, silent = (json.loads((tmp_path / "one" / f"rank{r}.json").read_text()) for r in range(2))
+    assert scoring["shares"] == [16] * 4 and silent["shares"] == [0] * 4
+    runs = run_ready_peers(tmp_path / "none", "none_score")
+    errors = [re.findall(r"RuntimeError: (data-parallel replicas \[[\d, ]+\] can produce no samples.*)", out)
+              for _, out in runs]
+    assert all(code != 0 for code, _ in runs) and errors[0] and errors[0] == errors[1], runs[0][1][-3000:]
+    assert any("two passes over the prompts gave no batch" in out for _, out in runs)  # the stuck one says why
 
 
 def test_split_ready():

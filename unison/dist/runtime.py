@@ -94,12 +94,16 @@ class ReadyAgreement:
         """A collective: every replica's share of the step's samples, or None while they are too few. ``stuck``
         (this replica cannot produce samples) fails every replica with one error."""
         mine = torch.tensor([ready, int(stuck)], dtype=torch.int64, device=self.replica.device)
-        dist.all_gather_into_tensor(self.buffer, mine, group=self.replica.group)
+        _all_gather_single(self.buffer, mine, group=self.replica.group)
         counts, stuck_flags = self.buffer.view(-1, 2).T.tolist()
         if any(stuck_flags):
             raise RuntimeError(f"data-parallel replicas {[r for r, s in enumerate(stuck_flags) if s]} can produce "
-                               "no samples (see that replica's error)")
+                               "no samples (that replica's log says why)")
         return split_ready(counts, self.total)
+
+
+# torch >= 2.13 renames all_gather_into_tensor (which then warns); the GPU image's 2.11 has only the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def split_ready(counts: list[int], total: int) -> list[int] | None:

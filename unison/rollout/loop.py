@@ -101,6 +101,8 @@ class RolloutLoop:
             if self.agreement is None:
                 take = self.cfg.samples_per_step if len(self.ready) >= self.cfg.samples_per_step else None
             elif engine_steps % self.agreement.every == 0:  # the same cadence on every replica: the calls match
+                if stuck and not self.ready:
+                    log.error(self._no_batch())
                 shares = self.agreement.shares(len(self.ready), stuck and not self.ready)
                 take = shares[self.agreement.replica.rank] if shares is not None else None
             else:
@@ -108,9 +110,7 @@ class RolloutLoop:
             if take is not None:
                 break
             if stuck and self.agreement is None:  # (replicas say so at their next agreement, all at once)
-                raise RuntimeError(f"two passes over the prompts gave no batch: {self.counts['zero_std_groups']} "
-                                   "groups so far had rewards without spread (all equal, or fewer than two "
-                                   "scored), which carry no signal")
+                raise RuntimeError(self._no_batch())
             self._fill()
             t = time.perf_counter()
             self._land(self.engine.step())
@@ -120,6 +120,10 @@ class RolloutLoop:
         metrics = self._metrics(batch, trainer_version, time.perf_counter() - t0)
         metrics["rollout/engine_steps"] = float(engine_steps)
         return batch, metrics
+
+    def _no_batch(self) -> str:
+        return (f"two passes over the prompts gave no batch: {self.counts['zero_std_groups']} groups so far had "
+                "rewards without spread (all equal, or fewer than two scored), which carry no signal")
 
     def state_dict(self) -> dict:
         """Data order and sampling seeds (for resuming); groups in flight are not saved: they are rolled out
