@@ -95,7 +95,7 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
                 module.unison_tp_style = style
     parallelize_module(model, mesh, plan)
     model.unison_tp_size = mesh.size()
-    model.unison_local_forward = LocalForward(model)  # what the engine's forwards run under
+    model.unison_local_forward = LocalForward(model)  # what the engine's and the training step's forwards run under
     return model
 
 

@@ -97,20 +97,9 @@ class RolloutLoop:
         start_epoch, engine_steps = self.epoch, 0
         while True:
             self._drop_stale(trainer_version)
-            stuck = self.epoch > start_epoch + 2
-            if self.agreement is None:
-                take = self.cfg.samples_per_step if len(self.ready) >= self.cfg.samples_per_step else None
-            elif engine_steps % self.agreement.every == 0:  # the same cadence on every replica: the calls match
-                if stuck and not self.ready:
-                    log.error(self._no_batch())
-                shares = self.agreement.shares(len(self.ready), stuck and not self.ready)
-                take = shares[self.agreement.replica.rank] if shares is not None else None
-            else:
-                take = None
+            take = self._take(self.epoch > start_epoch + 2, engine_steps)
             if take is not None:
                 break
-            if stuck and self.agreement is None:  # (replicas say so at their next agreement, all at once)
-                raise RuntimeError(self._no_batch())
             self._fill()
             t = time.perf_counter()
             self._land(self.engine.step())
@@ -120,6 +109,25 @@ class RolloutLoop:
         metrics = self._metrics(batch, trainer_version, time.perf_counter() - t0)
         metrics["rollout/engine_steps"] = float(engine_steps)
         return batch, metrics
+
+    def _take(self, stuck: bool, engine_steps: int) -> int | None:
+        """How many ready samples to train on now, or None to keep rolling out. ``stuck``: two passes over the
+        prompts since the batch was asked for."""
+        if self.agreement is None:
+            if len(self.ready) >= self.cfg.samples_per_step:
+                return self.cfg.samples_per_step
+            if stuck:
+                raise RuntimeError(self._no_batch())
+            return None
+        if engine_steps % self.agreement.every:  # the same cadence on every replica: the collectives match
+            return None
+        # A stuck replica that still holds samples contributes them; one with none says so here, and every replica
+        # stops at this agreement at once.
+        stuck = stuck and not self.ready
+        if stuck:
+            log.error(self._no_batch())
+        shares = self.agreement.shares(len(self.ready), stuck)
+        return shares[self.agreement.replica.rank] if shares is not None else None
 
     def _no_batch(self) -> str:
         return (f"two passes over the prompts gave no batch: {self.counts['zero_std_groups']} groups so far had "

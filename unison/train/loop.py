@@ -152,8 +152,9 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
         t2 = time.perf_counter()
         metrics["memory/kv_lent_gib"] = lent / 2**30
         if lend:  # samples in flight when the step borrowed their KV: they recompute it before decoding on
-            dropped = engine.stats()["kv_dropped_tokens"]
-            metrics["engine/kv_dropped_tokens"], kv_dropped = float(dropped - kv_dropped), dropped
+            dropped_so_far = engine.stats()["kv_dropped_tokens"]
+            metrics["engine/kv_dropped_tokens"] = float(dropped_so_far - kv_dropped)
+            kv_dropped = dropped_so_far
         if model.device.type == "cuda":
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(model.device) / 2**30
             torch.cuda.reset_peak_memory_stats(model.device)

@@ -14,6 +14,8 @@ from typing import Literal
 
 import torch
 
+from ..dist.runtime import local
+
 
 @dataclass
 class MemoryConfig:
@@ -72,12 +74,8 @@ def plan_memory(model: torch.nn.Module, kv_pool_bytes: int, optimizer_on_gpu: bo
                 max_tokens_per_row: int, logprob_chunk: int, activation_checkpointing: bool) -> MemoryPlan:
     text = model.config.get_text_config()
     params = {id(p): p for p in model.parameters()}.values()
-
-    def numel(p: torch.Tensor) -> int:  # this process's share under tensor parallelism (DTensor)
-        return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-
-    weights = sum(numel(p) * p.element_size() for p in params)
-    trainable = sum(numel(p) for p in params if p.requires_grad)
+    weights = sum(local(p).numel() * p.element_size() for p in params)  # this process's shards
+    trainable = sum(local(p).numel() for p in params if p.requires_grad)
     elt = next(iter(params)).element_size()
     hidden, layers = text.hidden_size, text.num_hidden_layers
     inter = getattr(text, "intermediate_size", 4 * hidden)
