@@ -117,6 +117,16 @@ class LocalForward:
 
     def __init__(self, model: torch.nn.Module):
         self.modules = [(m, m.unison_tp_style) for m in model.modules() if hasattr(m, "unison_tp_style")]
+        weight = self.modules[0][0].weight
+        self._group = weight.device_mesh.get_group()
+        self._beat = torch.zeros(1, device=weight.device)
+
+    def heartbeat(self) -> None:
+        """One eager one-element all-reduce over the tp group, after each decode-graph replay. torch's NCCL watchdog
+        tracks only the collectives it issued, not the all-reduces inside a replayed graph: a peer that dies
+        mid-replay left this rank waiting on the graph forever (seen on two H200s, tests/test_dead_peer_gpu.py).
+        The watchdog times this one out after ``dist.timeout_s`` and ends the process with an error naming it."""
+        dist.all_reduce(self._beat, group=self._group)
 
     @contextmanager
     def __call__(self, train: bool = False) -> Iterator[int]:

@@ -52,6 +52,7 @@ class DecodeRunner:
         self.max_context = max_context
         self.scratch_block = scratch_block
         self.local_forward = local_forward  # tensor parallelism: the local shards (unison.dist.tensor_parallel)
+        self.heartbeat = getattr(local_forward, "heartbeat", None)  # ... and a collective NCCL's watchdog sees
         self.sizes = batch_ladder(max_batch)
         self.max_batch = n = self.sizes[-1]
         self.max_blocks = w = -(-max_context // bs)
@@ -95,6 +96,8 @@ class DecodeRunner:
         if graph is None:
             return out()[:n]  # eager: ``out`` is the forward itself
         graph.replay()
+        if self.heartbeat is not None:
+            self.heartbeat()
         return out[:n]
 
     def _capture(self, b: int):
