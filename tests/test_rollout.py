@@ -23,11 +23,12 @@ def rows(n=6):
             for i in range(n)]
 
 
-def make_loop(reward_fns, **cfg):
+def make_loop(reward_fns, max_sample_tokens=None, **cfg):
     engine = Engine(tiny_llama(), EngineConfig(num_blocks=256, block_size=4, seed=0))
     base = dict(group_size=4, samples_per_step=8, max_concurrent_rollouts=8, max_new_tokens=10)
     base.update(cfg)
-    return RolloutLoop(engine, tiny_tokenizer(), rows(), reward_fns, RolloutConfig(**base), stop_token_ids=[2])
+    return RolloutLoop(engine, tiny_tokenizer(), rows(), reward_fns, RolloutConfig(**base), stop_token_ids=[2],
+                       max_sample_tokens=max_sample_tokens)
 
 
 def test_batches_have_group_advantages_and_engine_logprobs():
@@ -138,6 +139,20 @@ def test_prompt_longer_than_context_is_skipped_and_counted():
     loop.order = [len(loop.rows) - 1]  # the long one comes first
     batch, metrics = loop.next_batch(trainer_version=0)
     assert len(batch) == 8 and metrics["rollout/skipped_prompts"] >= 1
+
+
+def test_samples_never_outgrow_the_training_row():
+    """A long prompt's completion is cut to fit the trainer's packed row (finish "length"); a prompt that fills the
+    row is skipped and counted, not a crash of the training step."""
+    loop = make_loop([(count_w7, 1.0)], max_sample_tokens=14, samples_per_step=16)
+    prompt_tokens = [len(loop._encode(r["prompt"])) for r in loop.rows]
+    assert max(prompt_tokens) > 14 - 10 and min(prompt_tokens) < 14  # some are cut, some fit
+    loop.rows.append({"prompt": " ".join(["w9"] * 20), "answer": "x"})
+    loop.order = [len(loop.rows) - 1]  # the too-long one comes first
+    batch, metrics = loop.next_batch(trainer_version=0)
+    assert all(s.num_tokens <= 14 for s in batch)
+    assert any(len(s.completion_ids) < 10 and s.finish_reason == "length" for s in batch)
+    assert metrics["rollout/skipped_prompts"] >= 1
 
 
 def test_no_usable_prompt_is_an_error_not_a_hang():

@@ -147,3 +147,11 @@ def test_resume_continues_from_the_saved_state(model_dir, tmp_path):
     assert [r["optim/lr"] for r in records] == [r["optim/lr"] for r in original[2:]]
     with pytest.raises(FileNotFoundError, match="trainer state"):
         train(run_cfg(model_dir, tmp_path / "bad", *common, f"--resume={model_dir}"), task())
+
+
+def test_rows_shorter_than_prompt_plus_completion(model_dir, tmp_path):
+    """An explicit ``step.max_tokens_per_row`` below the longest prompt plus ``max_new_tokens`` cuts those
+    completions to fit (they used to stop the run at the first training step with a packing error)."""
+    out = tmp_path / "run"
+    last = train(run_cfg(model_dir, out, "--optim.lr=1e-3", "--max_steps=2", "--step.max_tokens_per_row=14"), task())
+    assert last["train/loss_tokens"] > 0 and last["completion/truncated_frac"] > 0

@@ -64,11 +64,14 @@ class _Group:
 class RolloutLoop:
     def __init__(self, engine: Engine, tokenizer, rows: list[dict], reward_fns: list[tuple[RewardFn, float]],
                  cfg: RolloutConfig, stop_token_ids: list[int] | None = None, seed: int = 0,
-                 system_prompt: str | None = None):
+                 system_prompt: str | None = None, max_sample_tokens: int | None = None):
         if not rows:
             raise ValueError("no prompts to roll out")
         self.engine, self.tokenizer, self.rows, self.cfg = engine, tokenizer, rows, cfg
         self.system_prompt = system_prompt
+        # The trainer's packed row: a sample (prompt and completion) never outgrows it. A longer prompt's completion
+        # is cut short (finish "length"); a prompt that fills the row is skipped and counted.
+        self.max_sample_tokens = max_sample_tokens
         self.scorer = RewardScorer(reward_fns)
         self.agreement = None  # data-parallel replicas: set by unison.train.loop
         self.params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
@@ -156,8 +159,7 @@ class RolloutLoop:
             text = row["prompt"]
             ids = self._encode(text)
             try:
-                request_ids = self.engine.submit(ids, dataclasses.replace(self.params,
-                                                                          seed=self.seed_rng.getrandbits(52)))
+                request_ids = self.engine.submit(ids, self._params_for(len(ids)))
             except ValueError as e:  # e.g. a prompt longer than the context: skipped and counted
                 self.counts["skipped_prompts"] += 1
                 log.warning("skipping a prompt: %s", e)
@@ -170,6 +172,16 @@ class RolloutLoop:
             skipped_in_a_row = 0
             group_id = request_ids[0].rsplit("-", 1)[0]
             self.groups[group_id] = _Group(row, text, len(request_ids), [])
+
+    def _params_for(self, prompt_tokens: int) -> SamplingParams:
+        params = dataclasses.replace(self.params, seed=self.seed_rng.getrandbits(52))
+        if self.max_sample_tokens is None or prompt_tokens + params.max_new_tokens <= self.max_sample_tokens:
+            return params
+        room = self.max_sample_tokens - prompt_tokens
+        if room < 1:
+            raise ValueError(f"a prompt of {prompt_tokens} tokens leaves no room for a completion in a training row "
+                             f"of {self.max_sample_tokens} tokens (step.max_tokens_per_row)")
+        return dataclasses.replace(params, max_new_tokens=room)
 
     def _next_row(self) -> dict:
         if not self.order:

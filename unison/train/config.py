@@ -33,7 +33,9 @@ class ModelConfig:
 class StepConfig:
     max_tokens_per_row: int = 0
     """Packed row length; each row is one micro-batch of the step. 0 (auto): 8192 where the memory plan fits in
-    85% of the GPU with it, else 4096, else 2048 (on the CPU 4096); never shorter than the longest sample."""
+    85% of the GPU with it, else 4096, else 2048 (on the CPU 4096); never shorter than the longest sampled prompt
+    plus ``rollout.max_new_tokens``. No sample outgrows a row: a longer prompt's completion is cut to fit (counted
+    in ``completion/truncated_frac``), a prompt that fills a row is skipped (``rollout/skipped_prompts``)."""
     logprob_chunk: int = 1024
     """Tokens per chunk of the lm_head in the policy logprobs: [chunk, vocab] is the largest logits block."""
 

@@ -107,8 +107,12 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     log.info("\n%s\npacked rows of %d tokens%s", plan.table(), row_tokens,
              "" if cfg.step.max_tokens_per_row else " (step.max_tokens_per_row=0: chosen from the plan)")
     stop_ids = stop_token_ids(tokenizer, model)
+    if longest_prompt + cfg.rollout.max_new_tokens > row_tokens:
+        log.warning("step.max_tokens_per_row=%d is shorter than the longest sampled prompt (%d tokens) plus "
+                    "rollout.max_new_tokens (%d): completions of long prompts are cut at the row length",
+                    row_tokens, longest_prompt, cfg.rollout.max_new_tokens)
     rollout = RolloutLoop(engine, tokenizer, task.rows, task.reward_fns, cfg.rollout, stop_ids, seed=seed,
-                          system_prompt=task.system_prompt)
+                          system_prompt=task.system_prompt, max_sample_tokens=row_tokens)
     if tp is not None:
         rollout.scorer = BroadcastScorer(rollout.scorer, tp)  # rewards run once, on rank 0
     if replica is not None:  # the replicas train together once their scored samples add up to a step's
