@@ -102,15 +102,16 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
         return plan_memory(model, kv_bytes, cfg.optim.placement == "gpu", lend, row_tokens, cfg.step.logprob_chunk,
                            cfg.memory.activation_checkpointing)
 
-    row_tokens = cfg.step.max_tokens_per_row or auto_row_tokens(plan_for, longest_prompt + cfg.rollout.max_new_tokens)
+    longest_sample = longest_prompt + cfg.rollout.max_new_tokens
+    row_tokens = cfg.step.max_tokens_per_row or auto_row_tokens(plan_for, longest_sample)
     plan = plan_for(row_tokens)
     log.info("\n%s\npacked rows of %d tokens%s", plan.table(), row_tokens,
              "" if cfg.step.max_tokens_per_row else " (step.max_tokens_per_row=0: chosen from the plan)")
-    stop_ids = stop_token_ids(tokenizer, model)
-    if longest_prompt + cfg.rollout.max_new_tokens > row_tokens:
+    if longest_sample > row_tokens:
         log.warning("step.max_tokens_per_row=%d is shorter than the longest sampled prompt (%d tokens) plus "
                     "rollout.max_new_tokens (%d): completions of long prompts are cut at the row length",
                     row_tokens, longest_prompt, cfg.rollout.max_new_tokens)
+    stop_ids = stop_token_ids(tokenizer, model)
     rollout = RolloutLoop(engine, tokenizer, task.rows, task.reward_fns, cfg.rollout, stop_ids, seed=seed,
                           system_prompt=task.system_prompt, max_sample_tokens=row_tokens)
     if tp is not None:
