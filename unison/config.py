@@ -47,6 +47,12 @@ class ConfigError(ValueError):
     """A configuration that cannot be loaded; the message names the offending key or file."""
 
 
+class InputError(RuntimeError):
+    """A run's input that cannot be used (a missing model or data file, an ``output_dir`` that is a file, a server
+    that cannot be reached): the message names the file or URL. The CLI prints it as one ``error:`` line and exits
+    with status 1 (a ``ConfigError`` exits with 2)."""
+
+
 def load_config(cls: type[T], path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> T:
     """Build ``cls`` from the YAML file at ``path`` (optional) and ``--key=value`` / ``key=value`` overrides,
     applied in order after the file (the last one wins)."""

@@ -59,6 +59,21 @@ def cache_dir() -> Path:
     return Path(root).expanduser() / "models"
 
 
+def model_device(device: str) -> str:
+    """``model.device``, with auto resolved: cuda where a GPU is visible, else cpu."""
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def model_dtype(dtype: str, device: str) -> str:
+    """``model.dtype``, with auto resolved: bfloat16 on any CUDA device (``cuda``, ``cuda:1``), float32 else. The
+    trainer and ``unison serve`` both resolve it here, so a server on a second GPU holds the trainer's dtype."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+
+
 def load_policy(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = "auto",
                 device: str | torch.device = "cpu", tp_mesh=None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Return ``(model, tokenizer)``, the model on ``attn_implementation="unison"``, in eval mode.

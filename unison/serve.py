@@ -225,10 +225,10 @@ def make_handler(server: GenerationServer, timeout: float = 600.0):
 
 
 def serve(cfg: ServeConfig) -> None:
-    from .models import load_policy
+    from .models import load_policy, model_device, model_dtype
 
-    device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    device = model_device(cfg.model.device)
+    dtype = model_dtype(cfg.model.dtype, device)
     model, _ = load_policy(cfg.model.name_or_path, dtype=getattr(torch, dtype), device=device)
     engine = Engine(model, cfg.engine)
     receiver = Receiver(dict(model.named_parameters()), version=0 if cfg.synced else -1)

@@ -16,16 +16,18 @@ import urllib.request
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from ..engine import Completion, SamplingParams
+from ..sync.auth import auth_headers
 
 log = logging.getLogger(__name__)
 
 
 class RemoteEngine:
-    def __init__(self, urls: list[str], timeout: float = 600.0, max_parallel: int = 64):
+    def __init__(self, urls: list[str], timeout: float = 600.0, max_parallel: int = 64, token: str = ""):
         if not urls:
             raise ValueError("sync.servers is empty: name at least one `unison serve` URL")
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout = timeout
+        self.token = token  # the servers' shared secret (unison.sync.auth), sent on every request
         self.pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="unison-remote")
         self.inflight: dict[Future, tuple[str, list[int], int]] = {}
         self._groups = 0
@@ -45,7 +47,7 @@ class RemoteEngine:
                    "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "n": params.n,
                    "seed": params.seed,
                    "stop_token_ids": list(params.stop_token_ids) if params.stop_token_ids is not None else None}
-        future = self.pool.submit(post_json, f"{url}/v1/completions", payload, self.timeout)
+        future = self.pool.submit(post_json, f"{url}/v1/completions", payload, self.timeout, self.token)
         self.inflight[future] = (group, list(prompt_ids), params.n)
         return [f"{group}-{i}" for i in range(params.n)]
 
@@ -70,11 +72,21 @@ class RemoteEngine:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def post_json(url: str, payload: dict | bytes, timeout: float) -> dict:
-    """POST (JSON or raw bytes); returns the JSON reply. An HTTP error status raises with the server's message."""
+class HTTPStatusError(RuntimeError):
+    """A server answered with an error status; ``status`` and ``detail`` (its JSON reply) say which and why."""
+
+    def __init__(self, url: str, status: int, detail: dict):
+        super().__init__(f"{url}: HTTP {status}: {detail.get('error')}")
+        self.url, self.status, self.detail = url, status, detail
+
+
+def post_json(url: str, payload: dict | bytes, timeout: float, token: str = "") -> dict:
+    """POST (JSON or raw bytes) with the shared secret ``token`` if any; returns the JSON reply. An HTTP error status
+    raises ``HTTPStatusError`` with the server's message."""
     data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, headers=auth_headers(token))
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=timeout) as reply:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
             return json.loads(reply.read())
     except urllib.error.HTTPError as e:
         body = e.read()
@@ -82,4 +94,4 @@ def post_json(url: str, payload: dict | bytes, timeout: float) -> dict:
             detail = json.loads(body)
         except ValueError:
             detail = {"error": body[:200].decode(errors="replace")}
-        raise RuntimeError(f"{url}: HTTP {e.code}: {detail.get('error')}") from e
+        raise HTTPStatusError(url, e.code, detail) from e

@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from .auth import resolve_token
 from .codec import Framed, Patch, anchor_patch, encode, frame, payload_nbytes, sparse_patch
 from .transport import DirectoryPublisher, DistChannel
 
@@ -35,6 +36,9 @@ class SyncConfig:
     anchor_every: int = 50
     """Also send a full anchor every this many syncs (0: only when a server asks)."""
     timeout_s: float = 600.0
+    token: str = ""
+    """The servers' shared secret (``unison serve --token``), sent as ``Authorization: Bearer`` on every request to
+    them; empty: ``$UNISON_SYNC_TOKEN`` if set, else none."""
 
     def __post_init__(self):
         if self.mode not in ("colocated", "sparse", "full"):
@@ -99,7 +103,7 @@ class WeightPublisher:
 
     def _send(self, blob: bytes | Framed, version: int, anchor: bool, anchor_blob) -> int:
         """Deliver ``blob``; answer every anchor request. Returns the anchors sent on request."""
-        from ..rollout.remote import post_json
+        from ..rollout.remote import HTTPStatusError, post_json
 
         sent = 0
         if self.channel is not None:
@@ -110,12 +114,14 @@ class WeightPublisher:
                 self.directory.publish(anchor_blob(), version, anchor=True)
                 sent += 1
             return sent
+        token = resolve_token(self.cfg.token)
         for server in self.cfg.servers:
+            url = f"{server.rstrip('/')}/v1/weights"
             try:
-                post_json(f"{server.rstrip('/')}/v1/weights", blob, self.cfg.timeout_s)
-            except RuntimeError as e:
-                if "HTTP 409" not in str(e):
+                post_json(url, blob, self.cfg.timeout_s, token)
+            except HTTPStatusError as e:
+                if e.status != 409:  # 409: the server needs an anchor
                     raise
-                post_json(f"{server.rstrip('/')}/v1/weights", anchor_blob(), self.cfg.timeout_s)
+                post_json(url, anchor_blob(), self.cfg.timeout_s, token)
                 sent += 1
         return sent

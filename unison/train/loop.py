@@ -28,9 +28,10 @@ from ..dist.tensor_parallel import (
 )
 from ..engine import Engine
 from ..metrics import MetricsWriter
-from ..models import load_policy, stop_token_ids
+from ..models import load_policy, model_device, model_dtype, stop_token_ids
 from ..rollout.loop import RolloutLoop, encode_prompt
 from ..rollout.remote import RemoteEngine
+from ..sync.auth import resolve_token
 from ..sync.publisher import WeightPublisher
 from ..tasks import Task, load_task
 from .checkpoint import load_trainer_state, save_hf_checkpoint, save_trainer_state
@@ -49,7 +50,7 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     reward functions from Python.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = model_device(cfg.model.device)
     tp = replica = None
     if cfg.dist.tp > 1:  # the ranks of a replica hold a shard each of one model and roll out the same samples
         tp, replica = init_tensor_parallel(cfg.dist.tp, cfg.dist.timeout_s, torch.device(device).type)
@@ -94,7 +95,8 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
         lend, kv_bytes = cfg.memory.lends(engine.device), engine.pool.nbytes
         log.info("KV pool: %d blocks of %d tokens", engine_cfg.num_blocks, engine_cfg.block_size)
     else:  # generation on `unison serve` servers, which get the weights as patches
-        engine, lend, kv_bytes = RemoteEngine(cfg.sync.servers, cfg.sync.timeout_s), False, 0
+        engine, lend, kv_bytes = RemoteEngine(cfg.sync.servers, cfg.sync.timeout_s,
+                                                   token=resolve_token(cfg.sync.token)), False, 0
         publisher = WeightPublisher(cfg.sync, dict(model.named_parameters()))
         log.info("initial full sync to %s: %s", cfg.sync.servers, publisher.anchor(version=0))
 
@@ -209,13 +211,6 @@ def _save(path: str, step: int, rank: int, model, tokenizer, optimizer, rollout:
                        {"step": step, "optimizer": optimizer.state_dict(), "rollout": rollout.state_dict(),
                         "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()})
     log.info("rank %d saved %s in %.1f s", rank, path, time.perf_counter() - t0)
-
-
-def model_dtype(dtype: str, device: str) -> str:
-    """``model.dtype``, with auto resolved: bfloat16 on any CUDA device (``cuda``, ``cuda:1``), float32 else."""
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
 
 
 def _longest_prompt(cfg: TrainConfig, tokenizer, task: Task) -> int:
