@@ -121,7 +121,8 @@ def run_unison(checkpoint: str, prompts: list[str], new: int, steps: int, out_di
                 [(lambda prompts, completions, **_: [rng.random() for _ in completions], 1.0)])
     n = len(prompts) * GROUP
     cfg = load_config(TrainConfig, None, [
-        f"--output_dir={out_dir}", f"--max_steps={steps}", "--tensorboard=false", f"--model.name_or_path={checkpoint}",
+        f"--output_dir={out_dir}", f"--max_steps={steps}", "--tensorboard=false", "--overwrite=true",
+        f"--model.name_or_path={checkpoint}",
         f"--rollout.group_size={GROUP}", f"--rollout.samples_per_step={n}", f"--rollout.max_concurrent_rollouts={n}",
         f"--rollout.max_new_tokens={new}", f"--optim.lr={LR}", *overrides])
     train(cfg, task)

@@ -3,8 +3,8 @@
 # Run from the repo root on a GPU machine with unison's dependencies installed; results under $OUT (or ./runs).
 set -euo pipefail
 out=${OUT:-runs}
-python3 -m unison train configs/gpu.yaml --output_dir=/tmp/gpu_run
-python3 -m unison train configs/gpu.yaml --output_dir=/tmp/gpu_lr0 --optim.lr=0.0 --max_steps=5 --tensorboard=false
+python3 -m unison train configs/gpu.yaml --output_dir=/tmp/gpu_run --overwrite=true
+python3 -m unison train configs/gpu.yaml --output_dir=/tmp/gpu_lr0 --overwrite=true --optim.lr=0.0 --max_steps=5 --tensorboard=false
 mkdir -p "$out/gpu_run" "$out/gpu_lr0"
 cp /tmp/gpu_run/metrics.jsonl /tmp/gpu_run/curves.png /tmp/gpu_run/config.yaml "$out/gpu_run/"
 cp /tmp/gpu_lr0/metrics.jsonl "$out/gpu_lr0/"

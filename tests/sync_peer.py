@@ -3,8 +3,10 @@
     python tests/sync_peer.py ROLE TRANSPORT OUT [URL]     ROLE: trainer | server; TRANSPORT: dist | dir
 
 The trainer trains a bf16 tiny model for STEPS optimizer steps and syncs each step's changed elements, with
-faults injected on the way (a dropped patch, corrupted bytes, a patch for the wrong base version, an
-out-of-bounds index); the server starts from different weights, applies what arrives, and asks for anchors.
+faults injected on the way (a dropped patch, corrupted bytes, a stale patch for an older base version, an
+out-of-bounds index); the server starts from different weights, applies what arrives, and asks for an anchor
+whenever it could not apply what the trainer sent (a refused patch leaves it behind, even when the receiver
+itself needs no anchor for it).
 Over ``dist`` the patches travel framed (tensors broadcast as they are), over ``dir`` as safetensors files.
 At the end both write their parameters' checksums and counts to OUT/<role>.json.
 """
@@ -54,7 +56,7 @@ def faulty(patch: Patch, kind: str | None, step: int, framed: bool) -> bytes | F
 
 def wait_for_server(url: str, version: int, timeout: float = 30.0) -> None:
     """Until the server holds ``version``, or has polled since it was published and asked for an anchor (each
-    poll leaves an acknowledgement: the version it holds and whether it needs an anchor)."""
+    poll leaves an acknowledgement: the version it holds and whether it wants an anchor)."""
     path = os.path.join(url, "ack")
     published = time.time()
     deadline = published + timeout
@@ -84,8 +86,9 @@ def trainer(transport: str, out: str, url: str | None) -> dict:
                 blob = b""
             anchors += channel.send(blob, anchor=lambda: anchor_patch(params, version, to_host=False))
         else:
-            if blob is not None:
-                channel.publish(blob, version, anchor)
+            if blob is None:  # a dropped patch: nothing for the server to poll
+                return
+            channel.publish(blob, version, anchor)
             wait_for_server(url, version)
             if channel.anchor_requested():
                 channel.publish(encode(anchor_patch(params, version)), version, anchor=True)
@@ -127,13 +130,13 @@ def server(transport: str, out: str, url: str | None) -> dict:
         while receiver.version < STEPS or receiver.needs_anchor:
             sub.poll()
             with open(os.path.join(url, ".ack"), "w") as f:
-                f.write(f"{receiver.version} {int(receiver.needs_anchor)}")
+                f.write(f"{receiver.version} {int(sub.wants_anchor)}")
             os.replace(os.path.join(url, ".ack"), os.path.join(url, "ack"))
             time.sleep(0.05)
             if time.time() > deadline:
                 break
     return {"checksums": {n: checksum(p) for n, p in model.named_parameters()}, "version": receiver.version,
-            "counts": dict(receiver.counts)}
+            "counts": dict(receiver.counts), "weights_valid": receiver.weights_valid}
 
 
 def main():

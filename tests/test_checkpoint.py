@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import unison.engine.attention  # noqa: F401  registers attn_implementation="unison"
-from unison.train.checkpoint import save_hf_checkpoint
+from unison.train.checkpoint import save_hf_checkpoint, save_trainer_state
 
 WORDS = "the cat sat on a mat and ate fish".split()
 
@@ -107,3 +107,20 @@ def test_failed_save_keeps_old_checkpoint(model, tokenizer, tmp_path):
         save_hf_checkpoint(model, object(), str(path))  # not a tokenizer: fails after the weights are written
     assert os.listdir(tmp_path) == ["ckpt"]
     assert {name: (path / name).read_bytes() for name in os.listdir(path)} == before
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_checkpoints_get_the_permissions_the_umask_gives(umask, model, tokenizer, tmp_path):
+    """Like any HF save: folders 0o777 and files 0o666 less the umask (temporary names made them 0700 / 0600)."""
+    old = os.umask(umask)
+    try:
+        path = save_hf_checkpoint(model, tokenizer, str(tmp_path / "ckpt"))
+        save_trainer_state(path, 0, {"step": 1})
+        save_hf_checkpoint(model, tokenizer, path)  # replacing a checkpoint: the same again
+        save_trainer_state(path, 0, {"step": 2})
+    finally:
+        os.umask(old)
+    assert os.stat(path).st_mode & 0o777 == 0o777 & ~umask
+    for name in os.listdir(path):
+        assert os.stat(os.path.join(path, name)).st_mode & 0o777 == 0o666 & ~umask, name
+    assert "trainer_state-rank0.pt" in os.listdir(path)

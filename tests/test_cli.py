@@ -9,7 +9,7 @@ import pytest
 
 from unison import cli
 from unison.cli import Command, command_help, main, parse_command_args, run_command
-from unison.config import ConfigError
+from unison.config import ConfigError, InputError
 
 
 @dataclass
@@ -98,3 +98,24 @@ def test_python_m_unison_exit_codes():
     proc = subprocess.run([sys.executable, "-m", "unison", "nope"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "error: unknown command 'nope'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_input_errors_exit_1_with_one_line(capsys):
+    def fails(cfg: Toy) -> None:
+        raise InputError("data file /data/rows.jsonl:3 is not UTF-8 text")
+
+    assert run_command([], Toy, fails) == 1
+    assert capsys.readouterr().err == "error: data file /data/rows.jsonl:3 is not UTF-8 text\n"
+
+
+def test_train_on_missing_inputs_exits_1_without_traceback(tmp_path, capsys):
+    """A missing model folder, an unknown model name, an output_dir that is a file: one line naming it, status 1."""
+    (tmp_path / "a_file").write_text("")
+    cases = {f"--model.name_or_path={tmp_path / 'no-such-model'}": str(tmp_path / "no-such-model"),
+             "--model.name_or_path=NoSuchModel": "NoSuchModel",
+             f"--output_dir={tmp_path / 'a_file'}": str(tmp_path / "a_file")}
+    for override, named in cases.items():
+        args = ["train", f"--output_dir={tmp_path / 'run'}", override]
+        assert main(args) == 1, override
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and named in err and "Traceback" not in err, err

@@ -162,3 +162,53 @@ def test_no_usable_prompt_is_an_error_not_a_hang():
     with pytest.raises(RuntimeError, match="no prompt can be rolled out"):
         loop.next_batch(trainer_version=0)
     assert loop.counts["skipped_prompts"] == 3
+
+
+def always_divides_by_zero(prompts, completions, **_):
+    return [1 / 0 for _ in completions]
+
+
+def always_nan(prompts, completions, **_):
+    return [float("nan")] * len(completions)
+
+
+@pytest.mark.parametrize("fn,why", [(always_divides_by_zero, "ZeroDivisionError: division by zero"),
+                                    (always_nan, "returned NaN")])
+def test_no_batch_error_names_the_reward_function_that_never_scored(fn, why):
+    loop = make_loop([(count_w7, 1.0), (fn, 1.0)])
+    with pytest.raises(RuntimeError) as error:
+        loop.next_batch(trainer_version=0)
+    n = loop.counts["missing_reward"]
+    assert str(error.value).startswith(f"two passes over the prompts gave no batch: reward function {fn.__name__} "
+                                       f"failed on {n} of {n} completions (last: {why}); ")
+    assert n >= 24 and loop.local_scorer.missing[fn.__name__] == loop.local_scorer.scored == n
+
+
+def test_no_batch_error_says_when_no_reward_function_applied():
+    def never_applies(prompts, completions, **_):
+        return [None] * len(completions)
+
+    loop = make_loop([(never_applies, 1.0)])
+    with pytest.raises(RuntimeError, match=r"no batch: no reward function applied to (\d+) of \1 completions"):
+        loop.next_batch(trainer_version=0)
+
+
+def test_reward_failures_per_function_are_step_metrics():
+    def fails_on_w9(prompts, completions, **_):
+        return [math.nan if "w9" in c else 0.0 for c in completions]
+
+    loop = make_loop([(count_w7, 1.0), (fails_on_w9, 1.0)])
+    _, metrics = loop.next_batch(trainer_version=0)
+    assert metrics["reward/failed/count_w7"] == 0.0
+    assert metrics["reward/failed/fails_on_w9"] == loop.local_scorer.missing["fails_on_w9"] > 0
+
+
+def test_no_batch_error_on_a_rank_that_does_not_score_points_to_the_one_that_does():
+    class OtherRanksScores:  # what a tensor-parallel rank other than 0 gets: rank 0's results, none of its counts
+        def score(self, prompts, completions, columns):
+            return [(None, {})] * len(completions)
+
+    loop = make_loop([(count_w7, 1.0)])
+    loop.scorer = OtherRanksScores()
+    with pytest.raises(RuntimeError, match="no batch: the rewards were scored on another rank, whose error names"):
+        loop.next_batch(trainer_version=0)

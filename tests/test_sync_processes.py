@@ -1,6 +1,6 @@
 """Trainer and server as two processes, over gloo and over a local directory: after every step's sync, with a
-dropped, a corrupted, a wrong-base and an out-of-bounds patch on the way, the server's weights are bit-identical
-to the trainer's, and the patches carried only changed elements."""
+dropped, a corrupted, a stale (older base) and an out-of-bounds patch on the way, the server's weights are
+bit-identical to the trainer's, and the patches carried only changed elements."""
 
 from __future__ import annotations
 
@@ -36,8 +36,10 @@ def test_two_process_sync_survives_faults(transport, tmp_path):
     trainer = json.loads((tmp_path / "trainer.json").read_text())
     server = json.loads((tmp_path / "server.json").read_text())
     assert server["checksums"] == trainer["checksums"]  # bit-identical, every tensor
+    assert server["weights_valid"]
     counts = server["counts"]
-    # Each fault was detected (the dropped one as a missed version) and repaired by an anchor.
+    # Each fault was detected (the dropped one as a missed version, or over dist as an empty message) and repaired
+    # by an anchor: the stale and the out-of-bounds patch too, which leave the receiver itself needing none.
     assert counts["rejected"] >= 4 and trainer["anchors_on_request"] >= 4
     assert counts["anchors"] >= 1 + 4
     # Only changed elements travelled, and they are a fraction of the model.

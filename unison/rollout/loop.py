@@ -72,7 +72,9 @@ class RolloutLoop:
         # The trainer's packed row: a sample (prompt and completion) never outgrows it. A longer prompt's completion
         # is cut short (finish "length"); a prompt that fills the row is skipped and counted.
         self.max_sample_tokens = max_sample_tokens
-        self.scorer = RewardScorer(reward_fns)
+        # self.scorer may come to wrap it (tensor parallelism scores on rank 0 only); the failure counts live here
+        self.local_scorer = RewardScorer(reward_fns)
+        self.scorer = self.local_scorer
         self.agreement = None  # data-parallel replicas: set by unison.train.loop
         self.params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                      top_p=cfg.top_p, top_k=cfg.top_k, n=cfg.group_size,
@@ -133,8 +135,15 @@ class RolloutLoop:
         return shares[self.agreement.replica.rank] if shares is not None else None
 
     def _no_batch(self) -> str:
-        return (f"two passes over the prompts gave no batch: {self.counts['zero_std_groups']} groups so far had "
-                "rewards without spread (all equal, or fewer than two scored), which carry no signal")
+        # Missing rewards first: a reward function that always fails (or never applies) leaves every group with
+        # fewer than two scored, which alone would read as rewards without spread.
+        if self.scorer is not self.local_scorer and not self.local_scorer.scored:  # tensor parallelism: rank 0 scores
+            missing = "the rewards were scored on another rank, whose error names any that were missing"
+        else:
+            missing = self.local_scorer.missing_report()
+        return (f"two passes over the prompts gave no batch: {missing + '; ' if missing else ''}"
+                f"{self.counts['zero_std_groups']} groups so far had rewards without spread (all equal, or fewer than "
+                "two scored), which carry no signal")
 
     def state_dict(self) -> dict:
         """Data order and sampling seeds (for resuming); groups in flight are not saved: they are rolled out
@@ -143,6 +152,10 @@ class RolloutLoop:
                 "epoch": self.epoch, "counts": dict(self.counts)}
 
     def load_state_dict(self, saved: dict) -> None:
+        """``saved["order"]`` indexes the rows it was saved with: an empty order starts a fresh pass over these."""
+        if any(i >= len(self.rows) for i in saved["order"]):
+            raise ValueError(f"the saved data order indexes row {max(saved['order'])}, and this loop has "
+                             f"{len(self.rows)} rows: load it with an empty order to start a fresh pass over them")
         self.rng.setstate(saved["rng"])
         self.seed_rng.setstate(saved["seed_rng"])
         self.order, self.epoch = list(saved["order"]), saved["epoch"]
@@ -261,6 +274,8 @@ class RolloutLoop:
             m[f"reward/{name}"] = mean(values)
         for name in ("zero_std_groups", "groups", "skipped_prompts", "missing_reward", "stale_samples", "aborted"):
             m[f"rollout/{name}"] = float(self.counts[name])
+        for name in self.local_scorer.names:  # completions each reward function failed to score, so far
+            m[f"reward/failed/{name}"] = float(self.local_scorer.missing[name])
         self.window = {k: [] for k in self.window}
         self.window_parts = {}
         self.gen_tokens, self.gen_time = 0, 0.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import urllib.error
 import urllib.request
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -64,12 +65,18 @@ class RemoteEngine:
                 self.errors += 1
                 log.warning("remote completion of %s failed: %s", group, e)
                 choices = [{"token_ids": [], "logprobs": [], "finish_reason": "abort", "weight_versions": []}] * n
-            out += [Completion(f"{group}-{i}", group, prompt, c["token_ids"], c["logprobs"], c["finish_reason"],
+            out += [Completion(f"{group}-{i}", group, prompt, c["token_ids"], _logprobs(c), c["finish_reason"],
                                c["weight_versions"]) for i, c in enumerate(choices)]
         return out
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _logprobs(choice: dict) -> list[float]:
+    """The server writes strict JSON, a non-finite logprob (sampled from NaN logits) as null: read back as NaN, the
+    float the engine produced, so the rest of the loop sees a number and never a None."""
+    return [math.nan if x is None else x for x in choice["logprobs"]]
 
 
 class HTTPStatusError(RuntimeError):

@@ -2,6 +2,7 @@
 
 from .codec import Framed, Patch, PatchError, anchor_patch, apply, checksum, decode, encode, frame, sparse_patch
 from .receiver import Receiver
+from .validate import DivergedError, MissedVersionError
 
-__all__ = ["Framed", "Patch", "PatchError", "Receiver", "anchor_patch", "apply", "checksum", "decode", "encode",
-           "frame", "sparse_patch"]
+__all__ = ["DivergedError", "Framed", "MissedVersionError", "Patch", "PatchError", "Receiver", "anchor_patch", "apply",
+           "checksum", "decode", "encode", "frame", "sparse_patch"]

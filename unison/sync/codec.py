@@ -4,8 +4,9 @@ A sparse patch holds, per changed tensor, the flat indices of its changed elemen
 values in the parameter's dtype; indices are stored as 16- or 32-bit gaps (the first one from -1; the unsigned
 gaps kept as the bits of int16/int32) where those fit, else int32/int64 positions. An anchor holds every tensor
 whole. Both carry the version they apply to, the version they produce, and a checksum of each tensor they touch as
-it must be afterwards, so a receiver proves it holds the trainer's weights. Keys: ``<name>.idx`` / ``<name>.val``
-(sparse), ``<name>`` (anchor); the metadata says the rest.
+it must be afterwards, so a receiver proves it holds the trainer's weights; an anchor may be marked as the trainer's
+restart (the only patch that takes a receiver's version back). Keys: ``<name>.idx`` / ``<name>.val`` (sparse),
+``<name>`` (anchor); the metadata says the rest.
 
 Two framings of the same content: a safetensors file (``encode``: bytes, for directories, buckets and HTTP), and
 ``Framed`` (``frame``: a JSON header and each tensor's bytes where the patch lives), which the
@@ -24,23 +25,22 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ..train.optimizer import as_bits
+from ..bits import as_bits
+from .validate import INDEX_DTYPES, DivergedError, PatchError, check_patch, read_metadata
 
-FORMAT = "unison-patch-2"
-
-
-class PatchError(ValueError):
-    """A patch that must not be applied; the receiver asks for an anchor."""
+FORMAT = "unison-patch-3"  # 3 added the restart flag
+_READABLE = {FORMAT: False, "unison-patch-2": True}  # format -> whether the restart flag may be absent (then false)
 
 
 @dataclass
 class Patch:
-    base_version: int  # the version it applies to (-1 for an anchor: applies to anything)
+    base_version: int  # the version it applies to (-1 for an anchor: applies to any version up to its own)
     version: int  # the version it produces
     anchor: bool
     indices: dict[str, torch.Tensor] = field(default_factory=dict)  # int64 flat positions, ascending (sparse)
     values: dict[str, torch.Tensor] = field(default_factory=dict)  # changed values (sparse) or whole tensors
     checksums: dict[str, str] = field(default_factory=dict)  # of each touched tensor after the patch
+    restart: bool = False  # an anchor the trainer sent as it (re)started: accepted at any version, even a lower one
 
     @property
     def num_elements(self) -> int:
@@ -87,10 +87,12 @@ def sparse_patch(params: dict[str, torch.Tensor], masks: dict[str, torch.Tensor]
     return patch
 
 
-def anchor_patch(params: dict[str, torch.Tensor], version: int, to_host: bool = True) -> Patch:
-    """Every tensor whole: host copies, or the parameters themselves (``to_host=False``: frame it at once)."""
+def anchor_patch(params: dict[str, torch.Tensor], version: int, to_host: bool = True, restart: bool = False) -> Patch:
+    """Every tensor whole: host copies, or the parameters themselves (``to_host=False``: frame it at once).
+    ``restart``: the trainer's first anchor of a run (or a resumed one), which receivers take at any version."""
     values = {n: p.detach().cpu().clone() if to_host else p.detach() for n, p in params.items()}
-    return Patch(-1, version, anchor=True, values=values, checksums={n: checksum(p) for n, p in params.items()})
+    return Patch(-1, version, anchor=True, values=values, checksums={n: checksum(p) for n, p in params.items()},
+                 restart=restart)
 
 
 @dataclass
@@ -125,22 +127,28 @@ def frame(patch: Patch) -> Framed:
 
 
 def decode(payload: bytes | Framed) -> Patch:
-    """Parse a patch (either framing); anything malformed is a ``PatchError`` (never a crash)."""
+    """Parse a patch (either framing); anything malformed is a ``PatchError`` (never a crash). Checked here: the
+    metadata's fields and types, and that the tensors are the ones it names; ``apply`` checks the rest."""
     try:
         if isinstance(payload, Framed):
             meta, tensors = _unframe(payload)
         else:
             meta, tensors = _metadata(payload), st_load(payload)
-        if meta.get("format") != FORMAT:
-            raise PatchError(f"not a unison patch (format {meta.get('format')!r})")
-        patch = Patch(int(meta["base_version"]), int(meta["version"]), meta["anchor"] == "1",
-                      checksums=json.loads(meta["checksums"]))
-        if patch.anchor:
+        fmt = meta.get("format") if isinstance(meta, dict) else None
+        if fmt not in _READABLE:
+            raise PatchError(f"not a unison patch (format {fmt!r}, expected {FORMAT!r})")
+        base, version, anchor, restart, checksums, encodings = read_metadata(meta, _READABLE[fmt])
+        patch = Patch(base, version, anchor, checksums=checksums, restart=restart)
+        if anchor:
             patch.values = tensors
-        else:
-            for name, encoding in json.loads(meta["index_encoding"]).items():
-                patch.indices[name] = _decode_indices(tensors[f"{name}.idx"], encoding)
-                patch.values[name] = tensors[f"{name}.val"]
+            return patch
+        expected = {f"{name}.{part}" for name in encodings for part in ("idx", "val")}
+        if set(tensors) != expected:
+            odd = sorted(set(tensors) ^ expected)
+            raise PatchError(f"the tensors do not match the index encoding: {odd[:3]}")
+        for name, encoding in encodings.items():
+            patch.indices[name] = _decode_indices(tensors[f"{name}.idx"], encoding)
+            patch.values[name] = tensors[f"{name}.val"]
         return patch
     except PatchError:
         raise
@@ -158,7 +166,8 @@ def _contents(patch: Patch) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         encodings[name], tensors[f"{name}.idx"] = _encode_indices(patch.indices[name])
         tensors[f"{name}.val"] = values.contiguous()
     meta = {"format": FORMAT, "base_version": str(patch.base_version), "version": str(patch.version),
-            "anchor": "1" if patch.anchor else "0", "checksums": json.dumps(patch.checksums),
+            "anchor": "1" if patch.anchor else "0", "restart": "1" if patch.restart else "0",
+            "checksums": json.dumps(patch.checksums),
             "index_encoding": json.dumps(encodings)}
     return tensors, meta
 
@@ -176,15 +185,35 @@ def _unframe(framed: Framed) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
         dtype = _DTYPES.get(dtype_name)
         if dtype is None:
             raise PatchError(f"{key}: unsupported dtype {dtype_name!r}")
+        if not isinstance(key, str) or key in tensors:
+            raise PatchError(f"tensor key {key!r} is not a string, or appears twice")
+        if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise PatchError(f"{key}: shape {shape!r} is not a list of sizes")
         if math.prod(shape) * dtype.itemsize != part.numel():
             raise PatchError(f"{key}: {dtype_name}{shape} does not fit the {part.numel()} bytes that arrived")
         tensors[key] = part.view(dtype).reshape(shape)
     return header["meta"], tensors
 
 
+def peek_metadata(f) -> dict[str, str]:
+    """The metadata of an encoded patch from the start of an open binary file, without reading its tensors."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise PatchError(f"unreadable patch: {len(head)} bytes")
+    (size,) = struct.unpack("<Q", head)
+    if size > 1 << 27:  # a safetensors header lists the tensors: megabytes at most
+        raise PatchError(f"unreadable patch: a header of {size} bytes")
+    try:
+        return _metadata(head + f.read(size))
+    except (ValueError, AttributeError) as e:  # not JSON, or not an object
+        raise PatchError(f"unreadable patch header: {e}") from e
+
+
 def _metadata(blob: bytes) -> dict[str, str]:
     (size,) = struct.unpack("<Q", blob[:8])
     header = json.loads(blob[8:8 + size])
+    if not isinstance(header, dict):
+        raise PatchError(f"unreadable patch: its header is a {type(header).__name__}")
     return header.get("__metadata__", {})
 
 
@@ -203,6 +232,9 @@ def _encode_indices(idx: torch.Tensor) -> tuple[str, torch.Tensor]:
 
 
 def _decode_indices(stored: torch.Tensor, encoding: str) -> torch.Tensor:
+    if encoding in INDEX_DTYPES and (stored.dim() != 1 or stored.dtype != INDEX_DTYPES[encoding]):
+        raise PatchError(f"{encoding} indices must be flat {INDEX_DTYPES[encoding]}, got {stored.dtype}"
+                         f"{tuple(stored.shape)}")
     if encoding in ("gap16", "gap32"):
         mask = 0xFFFF if encoding == "gap16" else 0xFFFFFFFF
         return torch.cumsum(stored.to(torch.int64) & mask, 0) - 1
@@ -212,42 +244,60 @@ def _decode_indices(stored: torch.Tensor, encoding: str) -> torch.Tensor:
 
 
 def apply(params: dict[str, torch.Tensor], patch: Patch, version: int) -> int:
-    """Apply ``patch`` to ``params`` in place if it applies to ``version``; returns the new version.
+    """Apply ``patch`` to ``params`` (held at ``version``) in place, all or nothing; returns the new version.
 
-    Everything is checked before anything is written (names, dtypes, shapes, index bounds and order, lengths),
-    so a rejected patch leaves ``params`` as they were; the checksums are verified after writing (a mismatch means
-    the receiver's state had already diverged). Any failure is a ``PatchError``.
+    Everything is checked before anything is written (``validate.check_patch``: versions, names, dtypes, shapes,
+    index bounds and order, checksums present, finite values). An anchor's tensors are verified against its
+    checksums before they replace the parameters; a sparse patch's after writing, and a mismatch is undone (the old
+    values at the patched indices are restored). Every failure is a ``PatchError``: ``MissedVersionError`` for a
+    version ahead of ``version``, ``DivergedError`` when the weights held are not the trainer's.
     """
-    if not patch.anchor and patch.base_version != version:
-        raise PatchError(f"patch {patch.base_version} -> {patch.version} does not apply to version {version}")
-    unknown = [n for n in patch.values if n not in params]
-    if unknown:
-        raise PatchError(f"patch names unknown tensors: {unknown[:3]}")
-    for name, values in patch.values.items():
-        target = params[name]
-        if values.dtype != target.dtype:
-            raise PatchError(f"{name}: patch dtype {values.dtype}, parameter dtype {target.dtype}")
-        if patch.anchor:
-            if tuple(values.shape) != tuple(target.shape):
-                raise PatchError(f"{name}: anchor shape {tuple(values.shape)}, parameter {tuple(target.shape)}")
-            continue
-        idx = patch.indices[name]
-        if idx.numel() != values.numel():
-            raise PatchError(f"{name}: {idx.numel()} indices for {values.numel()} values")
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= target.numel()):
-            raise PatchError(f"{name}: index out of bounds [0, {target.numel()})")
-        if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
-            raise PatchError(f"{name}: indices not strictly ascending")
-    if patch.anchor and set(patch.values) != set(params):
-        raise PatchError(f"anchor covers {len(patch.values)} of {len(params)} tensors")
-    with torch.no_grad():
-        for name, values in patch.values.items():
-            target = params[name]
-            if patch.anchor:
-                target.copy_(values.to(target.device))
-            else:
-                target.view(-1)[patch.indices[name].to(target.device)] = values.to(target.device)
-    bad = [n for n in patch.values if checksum(params[n]) != patch.checksums.get(n)]
-    if bad:
-        raise PatchError(f"checksum mismatch after applying version {patch.version}: {bad[:3]}")
+    check_patch(params, patch, version)
+    try:
+        with torch.no_grad():
+            (_write_anchor if patch.anchor else _write_sparse)(params, patch)
+    except PatchError:
+        raise
+    except Exception as e:  # undone by _write_sparse; an anchor fails before writing or raises DivergedError
+        raise PatchError(f"patch {patch.base_version} -> {patch.version} could not be applied (nothing changed): "
+                         f"{type(e).__name__}: {e}") from e
     return patch.version
+
+
+def _write_anchor(params: dict[str, torch.Tensor], patch: Patch) -> None:
+    bad = [n for n, values in patch.values.items() if checksum(values) != patch.checksums[n]]
+    if bad:
+        raise PatchError(f"anchor for version {patch.version} does not match its own checksums: {bad[:3]} "
+                         "(corrupted on the way)")
+    try:
+        for name, values in patch.values.items():
+            params[name].copy_(values)
+    except Exception as e:
+        raise DivergedError(f"anchor for version {patch.version} failed half-way, the weights are mixed: "
+                            f"{type(e).__name__}: {e}") from e
+
+
+def _write_sparse(params: dict[str, torch.Tensor], patch: Patch) -> None:
+    saved = []  # (flat parameter, indices, the values there before): what undoes the write
+    try:
+        for name, values in patch.values.items():
+            flat = params[name].view(-1)
+            idx = patch.indices[name].to(flat.device)
+            saved.append((flat, idx, flat[idx]))  # advanced indexing copies
+            flat[idx] = values.to(flat.device)
+        bad = [n for n in patch.values if checksum(params[n]) != patch.checksums[n]]
+    except BaseException:
+        _restore(saved)
+        raise
+    if bad:
+        _restore(saved)
+        raise DivergedError(f"checksum mismatch after applying version {patch.version}: {bad[:3]} (undone: the "
+                            "weights held had diverged from the trainer's, or the values were corrupted on the way)")
+
+
+def _restore(saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    try:
+        for flat, idx, old in reversed(saved):
+            flat[idx] = old
+    except Exception as e:
+        raise DivergedError(f"could not undo a failed patch, the weights are mixed: {type(e).__name__}: {e}") from e

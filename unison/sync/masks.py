@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ..train.optimizer import as_bits
+from ..bits import as_bits
 
 
 def adamw_inversion_mask(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, step: int,

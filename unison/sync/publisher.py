@@ -3,10 +3,12 @@
 ``sync.mode``: ``colocated`` (the engine decodes from the trainer's own tensors: nothing to send), ``sparse``
 (the changed bf16 elements, from the optimizer's exact masks), ``full`` (the whole state dict every step).
 ``sync.transport``: ``http`` (POST to every server's ``/v1/weights``; a server that answers 409 needs an anchor
-and gets one at once), ``fsspec`` (a directory servers poll, ``unison serve --sync_url``) or ``dist`` (a
-``torch.distributed`` group of the trainer, rank 0, and the servers, ``unison serve --sync_dist``: a broadcast,
-then an all-reduce of need-anchor flags; NCCL on GPUs, gloo otherwise). A full anchor goes out before the first
-rollout and every ``anchor_every`` syncs.
+and gets one at once, and so does one that answers 400, refusing the trainer's own patch: it is behind),
+``fsspec`` (a directory servers poll, ``unison serve --sync_url``) or ``dist`` (a ``torch.distributed`` group of
+the trainer, rank 0, and the servers, ``unison serve --sync_dist``: a broadcast, then an all-reduce of need-anchor
+flags; NCCL on GPUs, gloo otherwise). A full anchor goes out before the first rollout (marked as a restart:
+servers take it at any version, even below theirs, since the trainer may have restarted) and every
+``anchor_every`` syncs.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from .auth import resolve_token
+from ..config import InputError
+from .auth import TOKEN_ENV, resolve_token
 from .codec import Framed, Patch, anchor_patch, encode, frame, payload_nbytes, sparse_patch
 from .transport import DirectoryPublisher, DistChannel
 
@@ -77,10 +80,11 @@ class WeightPublisher:
             self.channel = None
 
     def anchor(self, version: int) -> dict[str, float]:
-        """Send the whole state (the initial sync)."""
+        """Send the whole state as the run's restart anchor (the initial sync, also of a resumed run), which servers
+        take at any version. A server that cannot be reached is an ``InputError`` naming its URL."""
         t0 = time.perf_counter()
-        blob = self._wire(anchor_patch(self.params, version, to_host=self.channel is None))
-        anchors = self._send(blob, version, anchor=True, anchor_blob=lambda: blob)
+        blob = self._wire(anchor_patch(self.params, version, to_host=self.channel is None, restart=True))
+        anchors = self._send(blob, version, anchor=True, anchor_blob=lambda: blob, restart=True)
         return {"sync/bytes": float(payload_nbytes(blob)), "sync/s": time.perf_counter() - t0,
                 "sync/anchors": float(anchors)}
 
@@ -101,27 +105,55 @@ class WeightPublisher:
         """What the transport carries: the patch framed on the device (dist), else safetensors bytes."""
         return frame(patch) if self.channel is not None else encode(patch)
 
-    def _send(self, blob: bytes | Framed, version: int, anchor: bool, anchor_blob) -> int:
+    def _send(self, blob: bytes | Framed, version: int, anchor: bool, anchor_blob, restart: bool = False) -> int:
         """Deliver ``blob``; answer every anchor request. Returns the anchors sent on request."""
-        from ..rollout.remote import HTTPStatusError, post_json
-
-        sent = 0
         if self.channel is not None:
             return int(self.channel.send(blob, anchor=anchor_blob))
         if self.directory is not None:
-            self.directory.publish(blob, version, anchor)
-            if self.directory.anchor_requested():
+            self.directory.publish(blob, version, anchor, restart=restart)
+            if self.directory.anchor_requested() and not anchor:  # an anchor just published answers them already
                 self.directory.publish(anchor_blob(), version, anchor=True)
-                sent += 1
-            return sent
+                return 1
+            return 0
         token = resolve_token(self.cfg.token)
-        for server in self.cfg.servers:
-            url = f"{server.rstrip('/')}/v1/weights"
-            try:
-                post_json(url, blob, self.cfg.timeout_s, token)
-            except HTTPStatusError as e:
-                if e.status != 409:  # 409: the server needs an anchor
-                    raise
-                post_json(url, anchor_blob(), self.cfg.timeout_s, token)
-                sent += 1
-        return sent
+        return sum(self._post(f"{server.rstrip('/')}/v1/weights", blob, anchor, anchor_blob, token, restart)
+                   for server in self.cfg.servers)
+
+    def _post(self, url: str, blob: bytes, anchor: bool, anchor_blob, token: str, initial: bool) -> int:
+        """POST ``blob`` to one server, and an anchor if it answers 409 (it needs one) or 400 (it refused the
+        trainer's own patch, so it is behind). Returns the anchors sent."""
+        from ..rollout.remote import HTTPStatusError
+
+        try:
+            self._post_once(url, blob, token, initial)
+            return 0
+        except HTTPStatusError as e:
+            if e.status not in (400, 409):
+                raise
+            if anchor:  # the same anchor again would be refused the same way
+                raise RuntimeError(f"{url} refused the trainer's anchor (HTTP {e.status}): {e.detail.get('error')}; "
+                                   "does the server hold the same model (sync.servers)?") from e
+        try:
+            self._post_once(url, anchor_blob(), token, initial=False)
+        except HTTPStatusError as e:
+            raise RuntimeError(f"{url} refused the anchor it needed (HTTP {e.status}): {e.detail.get('error')}") from e
+        return 1
+
+    def _post_once(self, url: str, blob: bytes, token: str, initial: bool) -> None:
+        from ..rollout.remote import HTTPStatusError, post_json
+
+        try:
+            post_json(url, blob, self.cfg.timeout_s, token)
+        except HTTPStatusError as e:
+            if e.status == 401:
+                raise RuntimeError(f"{url} asks for a token (HTTP 401): set sync.token or ${TOKEN_ENV} to the "
+                                   "server's --token") from e
+            if e.status == 403:
+                raise RuntimeError(f"{url} refused the token (HTTP 403): sync.token or ${TOKEN_ENV} is not the "
+                                   "server's --token") from e
+            raise
+        except OSError as e:  # URLError: refused, unknown host, timed out
+            if not initial:
+                raise
+            raise InputError(f"cannot reach the generation server {url}: {getattr(e, 'reason', e)}; is `unison "
+                             "serve` running there (sync.servers)?") from e

@@ -12,12 +12,14 @@ folder where the ``datasets`` package is installed).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from unison.config import InvalidInputError, MissingInputError
 from unison.tasks.rewards import FormatReward, MathReward, RewardFn, combine
 
 log = logging.getLogger(__name__)
@@ -81,11 +83,12 @@ def chat_prompt(tokenizer, prompt: str, system_prompt: str | None = None) -> str
 def load_rows(path: str | Path) -> list[dict]:
     """Rows of a data file with ``prompt`` and ``answer``; rows missing either are skipped with a warning.
 
-    Raises FileNotFoundError for a missing path and ValueError when no usable row remains.
+    Raises ``MissingInputError`` (a FileNotFoundError) for a missing path and ``InvalidInputError`` (a ValueError)
+    for a file that does not decode or parse, or has no usable row; the message names the file and line.
     """
     path = Path(path).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"data file {path} does not exist")
+        raise MissingInputError(f"data file {path} does not exist")
     reader = _READERS.get(path.suffix, _read_datasets)
     rows, bad = [], []
     for index, row in enumerate(reader(path)):
@@ -98,7 +101,7 @@ def load_rows(path: str | Path) -> list[dict]:
                     ", ".join(map(str, bad[:20])) + (" ..." if len(bad) > 20 else ""))
     if not rows:
         what = "is empty" if not bad else f"has no row with a prompt and an answer ({len(bad)} skipped)"
-        raise ValueError(f"data file {path} {what}")
+        raise InvalidInputError(f"data file {path} {what}")
     return rows
 
 
@@ -106,28 +109,40 @@ def _text(value) -> bool:
     return isinstance(value, str) and bool(value.strip())
 
 
+def _read_text(path: Path) -> str:
+    """The file as text; a byte that is not UTF-8 is an error naming its line (a BOM, as Excel writes, is dropped)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise InvalidInputError(f"{path}:{line}: not UTF-8 ({e.reason} at byte {e.start}): save the file as UTF-8, "
+                                "e.g. `iconv -f latin1 -t utf-8`") from None
+
+
 def _read_jsonl(path: Path) -> Iterable[dict | None]:
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError as e:
-                log.warning("%s:%d: not JSON (%s)", path, line_no, e.msg)
-                yield None
+    for line_no, line in enumerate(_read_text(path).split("\n"), 1):  # not splitlines: JSON strings may hold U+2028
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError as e:
+            log.warning("%s:%d: not JSON (%s)", path, line_no, e.msg)
+            yield None
 
 
 def _read_json(path: Path) -> Iterable[dict]:
-    data = json.loads(path.read_text(encoding="utf-8") or "[]")
+    try:
+        data = json.loads(_read_text(path) or "[]")
+    except json.JSONDecodeError as e:
+        raise InvalidInputError(f"{path}:{e.lineno}: not JSON ({e.msg}, column {e.colno})") from None
     if isinstance(data, dict):  # {"rows": [...]} or {"data": [...]} style
         data = next((v for v in data.values() if isinstance(v, list)), [data])
     return data
 
 
 def _read_csv(path: Path) -> Iterable[dict]:
-    with path.open(encoding="utf-8", newline="") as f:
-        yield from csv.DictReader(f)
+    return csv.DictReader(io.StringIO(_read_text(path), newline=""))
 
 
 def _read_datasets(path: Path) -> Iterable[dict]:

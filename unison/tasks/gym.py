@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from unison.config import InvalidInputError
 from unison.tasks import DataConfig, Task
 from unison.tasks.rewards import ClosenessReward, ExactAnswerReward, FormatReward
 
@@ -33,7 +34,7 @@ def gym_task(cfg: DataConfig) -> Task:
     import reasoning_gym
 
     if cfg.source not in reasoning_gym.factory.DATASETS:
-        raise ValueError(f"data.source={cfg.source!r} is neither a file nor a reasoning-gym task; tasks "
+        raise InvalidInputError(f"data.source={cfg.source!r} is neither a file nor a reasoning-gym task; tasks "
                          f"with presets: {sorted(PRESETS)}")
     if cfg.size < 1:
         raise ValueError(f"data.size must be >= 1, got {cfg.size}")

@@ -13,7 +13,14 @@ import shutil
 import tempfile
 from typing import Any
 
+from unison.config import MissingInputError
 from unison.engine.attention import ATTN_NAME
+
+# What a save killed midway leaves behind (unison.train.run_dir clears it): a trainer state's temporary file inside
+# the checkpoint directory, and beside it `.NAME.tmp-*` (a checkpoint being written) and `.NAME.old-*` (the one it
+# replaces, moved aside under SET_ASIDE until the new one is in place).
+TRAINER_STATE_TMP_PREFIX = "tmp_trainer_state_"
+SET_ASIDE = "ckpt"
 
 # Keys under which some transformers versions write the attention implementation into config.json.
 _ATTN_KEYS = ("attn_implementation", "_attn_implementation", "_attn_implementation_internal")
@@ -36,6 +43,7 @@ def save_hf_checkpoint(model: Any, tokenizer: Any | None, path: str, state_dict:
         _drop_attn_implementation(os.path.join(tmp, "config.json"))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        _permit_as_umask(tmp)
         _replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -74,21 +82,51 @@ def _replace_dir(src: str, dst: str) -> None:
         os.rename(src, dst)
         return
     old = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.old-", dir=os.path.dirname(dst))
-    os.rename(dst, os.path.join(old, "ckpt"))
+    os.rename(dst, os.path.join(old, SET_ASIDE))  # (a run killed here: unison.train.run_dir puts it back)
     os.rename(src, dst)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _permit_as_umask(path: str) -> None:
+    """Give ``path`` (a directory or file) and what it holds the permissions a plain ``open``/``mkdir`` would: 0o777
+    and 0o666 less the umask. mkdtemp and mkstemp make 0700 / 0600, and safetensors 0.8 writes its files 0600: a
+    checkpoint others on the machine (an evaluation job, a teammate) could not read."""
+    umask = _umask()
+    if os.path.isfile(path):
+        os.chmod(path, 0o666 & ~umask)
+        return
+    for root, _, files in os.walk(path):
+        os.chmod(root, 0o777 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~umask)
+
+
+def _umask() -> int:
+    """The process's umask, read from /proc where Linux shows it: ``os.umask`` reads it only by setting it, which
+    for a moment would give another thread's new files the wrong permissions."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
 
 
 def save_trainer_state(path: str, rank: int, state: dict) -> str:
     """Write one rank's trainer state (optimizer state, step, data order, RNGs) as ``trainer_state-rank{rank}.pt``
     in the checkpoint directory ``path``, atomically (a temporary file renamed into place)."""
     target = os.path.join(path, f"trainer_state-rank{rank}.pt")
-    fd, tmp = tempfile.mkstemp(prefix="tmp_trainer_state_", suffix=".pt", dir=path)
+    fd, tmp = tempfile.mkstemp(prefix=TRAINER_STATE_TMP_PREFIX, suffix=".pt", dir=path)
     os.close(fd)
     try:
         import torch
 
         torch.save(state, tmp)
+        _permit_as_umask(tmp)
         os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):
@@ -101,7 +139,9 @@ def load_trainer_state(path: str, rank: int) -> dict:
     import torch
 
     target = os.path.join(path, f"trainer_state-rank{rank}.pt")
+    if not os.path.isdir(path):
+        raise MissingInputError(f"resume={path}: no such checkpoint directory")
     if not os.path.exists(target):
-        raise FileNotFoundError(f"{path} has no trainer state for rank {rank} ({os.path.basename(target)}): resume "
+        raise MissingInputError(f"{path} has no trainer state for rank {rank} ({os.path.basename(target)}): resume "
                                 "from a checkpoint `unison train` wrote, with the same number of replicas")
     return torch.load(target, map_location="cpu", weights_only=False)

@@ -49,7 +49,11 @@ class StepConfig:
 @dataclass
 class TrainConfig:
     output_dir: str = "runs/default"
-    """Run directory: config.yaml, metrics.jsonl, TensorBoard events, curves.png, checkpoint/."""
+    """Run directory: config.yaml, metrics.jsonl, TensorBoard events, curves.png, checkpoint/. One that holds a
+    previous run is refused unless ``resume`` or ``overwrite`` is set."""
+    overwrite: bool = False
+    """Start afresh in an ``output_dir`` that holds a previous run: its checkpoints, metrics, TensorBoard events,
+    curves.png and config.yaml are deleted first; any other file there is left alone."""
     max_steps: int = 25
     seed: int = 0
     save_every: int = 0
@@ -57,7 +61,10 @@ class TrainConfig:
     tensorboard: bool = True
     resume: str = ""
     """A checkpoint directory this command wrote (``checkpoint-N``): continue from its weights, optimizer state,
-    step, data order and seeds, up to max_steps. Rollouts that were in flight are generated again."""
+    step, data order and seeds, up to max_steps, appending to ``output_dir``'s metrics. Rollouts that were in flight
+    are generated again. Settings that differ from the checkpoint's are named in a warning (another ``dist.tp`` or
+    number of processes is refused: each rank holds its shard of the optimizer state); another data set starts a
+    fresh pass over its rows."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     # CPU-sized default: 4 prompts x 8 samples per step, completions up to 64 tokens (bench/task_probe.py).

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..config import dump_config
 from ..dist.data_parallel import ShardedAdamW
 from ..dist.runtime import ReadyAgreement, check_replicas_agree, init_replicas, reduce_metrics
 from ..dist.tensor_parallel import (
@@ -27,17 +26,18 @@ from ..dist.tensor_parallel import (
     replicated_agree,
 )
 from ..engine import Engine
-from ..metrics import MetricsWriter
 from ..models import load_policy, model_device, model_dtype, stop_token_ids
 from ..rollout.loop import RolloutLoop, encode_prompt
 from ..rollout.remote import RemoteEngine
 from ..sync.auth import resolve_token
 from ..sync.publisher import WeightPublisher
 from ..tasks import Task, load_task
-from .checkpoint import load_trainer_state, save_hf_checkpoint, save_trainer_state
+from .checkpoint import save_hf_checkpoint, save_trainer_state
 from .config import TrainConfig
 from .memory import auto_row_tokens, explain_oom, kv_blocks_for, plan_memory
 from .optimizer import make_optimizer
+from .resume import load_resume_state, restore, run_record
+from .run_dir import check_run_dir, start_run
 from .step import check_packed_attention, train_step
 
 log = logging.getLogger(__name__)
@@ -60,13 +60,12 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     scaled_out = replica is not None or tp is not None  # (a sync process group, if any, comes later and is not this)
     if scaled_out and (cfg.optim.placement == "host" or cfg.sync.mode != "colocated"):
         raise ValueError("data-parallel replicas and tensor parallelism run colocated with optim.placement=gpu for now")
-    rank = dist.get_rank() if scaled_out else 0  # names this process's trainer state
+    rank, world = (dist.get_rank(), dist.get_world_size()) if scaled_out else (0, 1)  # rank names its trainer state
     main = rank == 0
     if replica is not None:
         device = str(replica.device)
-    if main:
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        dump_config(cfg, os.path.join(cfg.output_dir, "config.yaml"))
+    check_run_dir(cfg, main, scaled_out)  # fails fast: before the model loads
+    saved = load_resume_state(cfg, rank, world) if cfg.resume else None
     seed = cfg.seed + (replica.rank if replica is not None else 0)  # each replica rolls out its own prompts
     random.seed(seed)
     torch.manual_seed(cfg.seed)  # the same initial state everywhere
@@ -98,7 +97,6 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
         engine, lend, kv_bytes = RemoteEngine(cfg.sync.servers, cfg.sync.timeout_s,
                                                    token=resolve_token(cfg.sync.token)), False, 0
         publisher = WeightPublisher(cfg.sync, dict(model.named_parameters()))
-        log.info("initial full sync to %s: %s", cfg.sync.servers, publisher.anchor(version=0))
 
     def plan_for(row_tokens: int):
         return plan_memory(model, kv_bytes, cfg.optim.placement == "gpu", lend, row_tokens, cfg.step.logprob_chunk,
@@ -120,17 +118,13 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
         rollout.scorer = BroadcastScorer(rollout.scorer, tp)  # rewards run once, on rank 0
     if replica is not None:  # the replicas train together once their scored samples add up to a step's
         rollout.agreement = ReadyAgreement(replica, cfg.rollout.samples_per_step, cfg.dist.ready_every)
-    start = 1
-    if cfg.resume:
-        saved = load_trainer_state(cfg.resume, rank)
-        optimizer.load_state_dict(saved["optimizer"])
-        rollout.load_state_dict(saved["rollout"])
-        random.setstate(saved["python_rng"])
-        torch.set_rng_state(saved["torch_rng"])
-        start = saved["step"] + 1
-        log.info("resuming from %s at step %d", cfg.resume, start)
+    record = run_record(cfg, world, task.rows)  # saved with each trainer state, for a resume to check against
+    start = 1 if saved is None else restore(saved, optimizer, rollout, record["data"]) + 1
+    if publisher is not None:  # the servers get the resumed step's weights as that version: its next patch applies
+        engine.version = optimizer.step_count
+        log.info("initial full sync to %s: %s", cfg.sync.servers, publisher.anchor(version=optimizer.step_count))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    writer = MetricsWriter(cfg.output_dir, tensorboard=cfg.tensorboard, resume=bool(cfg.resume)) if main else None
+    writer = start_run(cfg) if main else None
     log.info("training %s on %s (%s, %s) for %d steps; %d prompts", cfg.model.name_or_path, task.name,
              device, dtype, cfg.max_steps, len(task.rows))
 
@@ -175,7 +169,7 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
                             gen_tok_s=f"{metrics['rollout/tokens_per_s']:.0f}")
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
             _save(os.path.join(cfg.output_dir, f"checkpoint-{step}"), step, rank, model, tokenizer, optimizer,
-                  rollout, tp, scaled_out)
+                  rollout, record, tp, scaled_out)
 
     if publisher is not None:
         publisher.close()
@@ -183,8 +177,8 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
         check_replicas_agree(model, replica)
     if tp is not None:
         replicated_agree(model, tp)
-    _save(os.path.join(cfg.output_dir, "checkpoint"), cfg.max_steps, rank, model, tokenizer, optimizer, rollout, tp,
-          scaled_out)
+    _save(os.path.join(cfg.output_dir, "checkpoint"), cfg.max_steps, rank, model, tokenizer, optimizer, rollout,
+          record, tp, scaled_out)
     if scaled_out:
         if getattr(engine, "runner", None) is not None:
             engine.runner.reset()  # the decode graphs hold the communicators' kernels: freed before them
@@ -197,10 +191,11 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     return metrics
 
 
-def _save(path: str, step: int, rank: int, model, tokenizer, optimizer, rollout: RolloutLoop,
+def _save(path: str, step: int, rank: int, model, tokenizer, optimizer, rollout: RolloutLoop, record: dict,
           tp: TensorParallel | None, scaled_out: bool) -> None:
     """The HF checkpoint (rank 0; under tensor parallelism every rank helps gather the full weights), then every
-    rank's trainer state beside it, for ``resume``."""
+    rank's trainer state beside it, for ``resume``; ``record`` (``unison.train.resume.run_record``) says what run
+    saved it."""
     t0 = time.perf_counter()
     state = full_state_dict(model) if tp is not None else None  # a collective: every rank of a replica gathers
     if rank == 0:
@@ -208,7 +203,7 @@ def _save(path: str, step: int, rank: int, model, tokenizer, optimizer, rollout:
     if scaled_out:
         dist.barrier()  # the directory exists before the other ranks write into it
     save_trainer_state(path, rank,
-                       {"step": step, "optimizer": optimizer.state_dict(), "rollout": rollout.state_dict(),
+                       {**record, "step": step, "optimizer": optimizer.state_dict(), "rollout": rollout.state_dict(),
                         "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()})
     log.info("rank %d saved %s in %.1f s", rank, path, time.perf_counter() - t0)
 
