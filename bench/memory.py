@@ -25,7 +25,7 @@ from unison.rollout.advantage import group_advantages
 from unison.rollout.sample import Sample
 from unison.train.loss import LossConfig
 from unison.train.memory import kv_blocks_for
-from unison.train.optimizer import OptimConfig, make_optimizer
+from unison.train.optimizer import OptimConfig, build_optimizer
 from unison.train.step import train_step
 
 PROMPTS, GROUP, PROMPT_TOKENS, NEW_TOKENS = 8, 8, 64, 512
@@ -44,7 +44,7 @@ def scored_samples(done: list, rewards: list[float]) -> list[Sample]:
 
 def grpo_steps(shape: str, placement: str, lend: bool, steps: int, checkpointing: bool, row_tokens: int) -> dict:
     model = build(shape, "cuda", torch.bfloat16, "unison")
-    opt = make_optimizer(model.named_parameters(), OptimConfig(lr=1e-6, placement=placement), total_steps=steps)
+    opt = build_optimizer(model.named_parameters(), OptimConfig(lr=1e-6, placement=placement), total_steps=steps)
     blocks = kv_blocks_for(PROMPTS * GROUP, PROMPT_TOKENS, NEW_TOKENS, 16)
     engine = Engine(model, EngineConfig(num_blocks=blocks, block_size=16, max_num_seqs=PROMPTS * GROUP,
                                         max_batch_tokens=8192, seed=0))

@@ -26,12 +26,12 @@ from engine import SHAPES, build
 from grpo_step import make_checkpoint
 from memory import GROUP, PROMPT_TOKENS, scored_samples
 
-from unison.dist.data_parallel import ShardedAdamW
-from unison.dist.tensor_parallel import TensorParallel, TensorParallelAdamW, init_tensor_parallel
+from unison.dist.runtime import Replica
+from unison.dist.tensor_parallel import TensorParallel, init_tensor_parallel
 from unison.engine import Engine, EngineConfig, SamplingParams
 from unison.models import load_policy
 from unison.train.loss import LossConfig
-from unison.train.optimizer import MasterAdamW, OptimConfig
+from unison.train.optimizer import OptimConfig, build_optimizer
 from unison.train.step import train_step
 
 
@@ -47,11 +47,10 @@ def run(rank: int, world: int, args, prompts_here: int, tp: TensorParallel | Non
     group = dist.group.WORLD if world > 1 and tp is None else None
     if tp is not None:
         model, _ = load_policy(args.checkpoint, dtype=torch.bfloat16, device=device, tp_mesh=tp.mesh)
-        opt = TensorParallelAdamW(model, cfg, args.steps, tp)
+        opt = build_optimizer(model, cfg, args.steps, tp=tp)
     else:
         model = build(args.shape, device.type, torch.bfloat16, "unison")
-        opt = ShardedAdamW(model.named_parameters(), cfg, args.steps, group) if group else \
-            MasterAdamW(model.named_parameters(), cfg, args.steps)
+        opt = build_optimizer(model, cfg, args.steps, replica=Replica(rank, world, device, group) if group else None)
     seed = rank if group else 0  # replicas roll out their own prompts; tensor-parallel ranks the same ones
     engine = Engine(model, EngineConfig(num_blocks=prompts_here * GROUP * (-(-(PROMPT_TOKENS + args.new) // 16) + 1),
                                         block_size=16, max_num_seqs=prompts_here * GROUP, max_batch_tokens=8192,

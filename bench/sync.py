@@ -37,7 +37,7 @@ from unison.sync.codec import payload_nbytes
 from unison.sync.masks import adamw_inversion_mask
 from unison.sync.transport import DistChannel
 from unison.train.loss import LossConfig
-from unison.train.optimizer import OptimConfig, make_optimizer
+from unison.train.optimizer import OptimConfig, build_optimizer
 from unison.train.step import train_step
 
 PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 8, 64, 128
@@ -78,7 +78,7 @@ def trainer(args, device: torch.device, channel: DistChannel, save) -> list[dict
         for lr in args.lrs:
             model = build(shape, device.type, torch.bfloat16, "unison")
             params = dict(model.named_parameters())
-            opt = make_optimizer(model.named_parameters(), OptimConfig(lr=lr), total_steps=args.steps)
+            opt = build_optimizer(model.named_parameters(), OptimConfig(lr=lr), total_steps=args.steps)
             engine = Engine(model, EngineConfig(num_blocks=PROMPTS * GROUP * 14, block_size=16, seed=0,
                                                 max_num_seqs=PROMPTS * GROUP, max_batch_tokens=8192))
             g = torch.Generator().manual_seed(0)

@@ -20,7 +20,7 @@ from memory import GROUP, PROMPT_TOKENS, PROMPTS, scored_samples
 
 from unison.engine import Engine, EngineConfig, SamplingParams
 from unison.train.loss import LossConfig
-from unison.train.optimizer import OptimConfig, make_optimizer
+from unison.train.optimizer import OptimConfig, build_optimizer
 from unison.train.step import train_step
 
 
@@ -53,7 +53,7 @@ def main():
     done = engine.generate(prompts, SamplingParams(max_new_tokens=args.new, n=GROUP, seed=0, stop_token_ids=()))
     samples = scored_samples(done, torch.rand(len(done), generator=g).tolist())
     del engine
-    opt = make_optimizer(model.named_parameters(), OptimConfig(lr=1e-6), total_steps=100)
+    opt = build_optimizer(model.named_parameters(), OptimConfig(lr=1e-6), total_steps=100)
 
     def step(rows: int) -> dict:
         metrics = train_step(model, opt, samples, LossConfig(), 1.0, rows, 0, 1024)

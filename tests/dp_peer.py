@@ -3,8 +3,8 @@
     python tests/dp_peer.py OUT        (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment)
 
 Trains the tiny model on this rank's half of fixed samples for 3 steps, once with the optimizer state
-replicated (MasterAdamW) and once sharded (ShardedAdamW), then sharded on uneven shares of the same samples (one
-step gives rank 1 none), and saves the parameters of all three.
+replicated, once sharded across the replicas, once sharded in host memory (optim.placement=host), then sharded on
+uneven shares of the same samples (one step gives rank 1 none), and saves the parameters of all four.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import teacher_forced_logprobs, tiny_llama  # noqa: E402
 
-from unison.dist.data_parallel import ShardedAdamW  # noqa: E402
+from unison.dist.runtime import Replica  # noqa: E402
 from unison.rollout.sample import Sample  # noqa: E402
 from unison.train.loss import LossConfig  # noqa: E402
-from unison.train.optimizer import MasterAdamW, OptimConfig  # noqa: E402
+from unison.train.optimizer import OptimConfig, build_optimizer  # noqa: E402
 from unison.train.step import train_step  # noqa: E402
 
 STEPS = 3
@@ -51,11 +51,12 @@ def step_samples(step: int) -> list[Sample]:
 UNEVEN = [(6, 2), (8, 0), (3, 5)]
 
 
-def run(optimizer_cls, rank: int, world: int, group, uneven: bool = False) -> dict[str, torch.Tensor]:
+def run(sharded: bool, rank: int, world: int, group, uneven: bool = False, placement: str = "gpu"
+        ) -> dict[str, torch.Tensor]:
     model = tiny_llama()
-    cfg = OptimConfig(lr=1e-3, weight_decay=0.01, max_grad_norm=1.0)
-    opt = optimizer_cls(model.named_parameters(), cfg, STEPS, group) if optimizer_cls is ShardedAdamW else \
-        optimizer_cls(model.named_parameters(), cfg, STEPS)
+    cfg = OptimConfig(lr=1e-3, weight_decay=0.01, max_grad_norm=1.0, placement=placement)
+    opt = build_optimizer(model, cfg, STEPS, replica=Replica(rank, world, torch.device("cpu"), group) if sharded
+                          else None)
     norms = []
     for step in range(STEPS):
         first = UNEVEN[step][0]
@@ -69,8 +70,9 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
-    result = {"replicated": run(MasterAdamW, rank, world, group), "sharded": run(ShardedAdamW, rank, world, group),
-              "uneven": run(ShardedAdamW, rank, world, group, uneven=True)}
+    result = {"replicated": run(False, rank, world, group), "sharded": run(True, rank, world, group),
+              "host": run(True, rank, world, group, placement="host"),
+              "uneven": run(True, rank, world, group, uneven=True)}
     torch.save(result, os.path.join(sys.argv[1], f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -1,5 +1,5 @@
 """Data parallel over gloo: two replicas make the update one process makes on the same global batch, and the
-sharded optimizer gives the same parameters as the replicated one."""
+sharded optimizer, its state on the device or in host memory, gives the same parameters as the replicated one."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ def test_two_replicas_equal_one_process(tmp_path):
     assert min(norms) > 0  # the loss really trains (no token dropped by the importance-sampling bounds)
     for r in ranks:  # the summed gradient is the one-process gradient, scale included (AdamW would hide a scale)
         assert r["replicated"]["grad_norms"] == r["sharded"]["grad_norms"]
+        assert r["host"]["grad_norms"] == r["sharded"]["grad_norms"]
         assert all(abs(a - b) <= 1e-5 * b for a, b in zip(r["uneven"]["grad_norms"], norms, strict=True))
         assert all(abs(a - b) <= 1e-5 * b for a, b in zip(r["replicated"]["grad_norms"], norms, strict=True))
     start = dict(tiny_llama().named_parameters())
@@ -55,6 +56,7 @@ def test_two_replicas_equal_one_process(tmp_path):
             torch.testing.assert_close(r["replicated"]["params"][name], p.detach(), rtol=1e-5, atol=1e-6)
             # Sharding the optimizer state changes nothing, bit for bit.
             assert torch.equal(r["sharded"]["params"][name], r["replicated"]["params"][name]), name
+            assert torch.equal(r["host"]["params"][name], r["sharded"]["params"][name]), name  # and host placement
             # Uneven shares of the same samples (replicas that agreed on ready counts) make the same update too,
             # up to AdamW turning fp32 summation noise into a few % of a step where a gradient is ~0 (as in the
             # tensor-parallel test); a wrong gradient or scale moves elements by a whole step (lr 1e-3).

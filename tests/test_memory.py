@@ -9,8 +9,8 @@ from test_optimizer import make_params, set_grads
 
 from unison.engine import Engine, EngineConfig, SamplingParams
 from unison.train.memory import MemoryPlan, auto_row_tokens, explain_oom, kv_blocks_for, plan_memory
-from unison.train.optimizer import MasterAdamW, OptimConfig, make_optimizer
-from unison.train.streamed import HostAdamW
+from unison.train.optimizer import MasterAdamW, OptimConfig, build_optimizer
+from unison.train.state_store import HostStore
 
 
 def seeded_run(lend_after: int | None, prefix_caching: bool = True):
@@ -58,12 +58,12 @@ def test_lending_reports_the_kv_it_drops():
 
 @pytest.mark.parametrize("chunk", [7, 10_000])
 def test_host_placement_is_bit_identical(chunk):
-    """HostAdamW (chunks of 7 elements: every parameter is cut, chunks cross nothing) equals MasterAdamW bit for
-    bit over 10 steps, clipping and weight decay included, and so do the changed masks."""
+    """State in host memory (chunks of 7 elements: every parameter is cut, chunks cross nothing) equals state on
+    the device bit for bit over 10 steps, clipping and weight decay included, and so do the changed masks."""
     cfg = OptimConfig(lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, schedule="cosine", warmup_steps=2)
     a, b = make_params(torch.bfloat16), make_params(torch.bfloat16)
     gpu_opt = MasterAdamW(a.items(), cfg, total_steps=10)
-    host_opt = HostAdamW(b.items(), cfg, total_steps=10, chunk_numel=chunk, in_flight=2)
+    host_opt = MasterAdamW(b.items(), cfg, total_steps=10, store=HostStore(chunk_numel=chunk, in_flight=2))
     for step in range(10):
         set_grads(a, step, 1.0 if step % 3 else 50.0)
         set_grads(b, step, 1.0 if step % 3 else 50.0)
@@ -73,7 +73,7 @@ def test_host_placement_is_bit_identical(chunk):
             assert torch.equal(a[name].view(torch.int16), b[name].view(torch.int16)), (step, name)
             assert torch.equal(gpu_opt.changed_masks[name], host_opt.changed_masks[name])
             assert torch.equal(gpu_opt.state[name].exp_avg_sq, host_opt.state[name].exp_avg_sq)
-    assert isinstance(make_optimizer(b.items(), OptimConfig(placement="host"), 1), HostAdamW)
+    assert isinstance(build_optimizer(b.items(), OptimConfig(placement="host"), 1).store, HostStore)
     with pytest.raises(ValueError, match="placement"):
         OptimConfig(placement="disk")
 

@@ -10,7 +10,7 @@ from test_optimizer import make_params, set_grads
 
 from unison.engine import Engine, EngineConfig, SamplingParams
 from unison.train.optimizer import MasterAdamW, OptimConfig
-from unison.train.streamed import HostAdamW
+from unison.train.state_store import HostStore
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +49,7 @@ def test_host_placement_bit_identical_on_gpu():
     a = {n: torch.nn.Parameter(p.cuda()) for n, p in make_params(torch.bfloat16).items()}
     b = {n: torch.nn.Parameter(p.cuda()) for n, p in make_params(torch.bfloat16).items()}
     gpu_opt = MasterAdamW(a.items(), cfg, total_steps=10)
-    host_opt = HostAdamW(b.items(), cfg, total_steps=10, chunk_numel=100, in_flight=2)
+    host_opt = MasterAdamW(b.items(), cfg, total_steps=10, store=HostStore(chunk_numel=100, in_flight=2))
     for step in range(10):
         for params in (a, b):
             set_grads(params, step, 1.0)

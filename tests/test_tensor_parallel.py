@@ -79,6 +79,9 @@ def test_two_ranks_equal_one_process(qwen3_dir, tmp_path):
             torch.testing.assert_close(r["params"][name], value, rtol=0, atol=0.1 * OPTIM.lr, msg=name)
         for name, value in r["replicated"].items():  # replicated parameters stay identical across ranks
             assert torch.equal(value, ranks[0]["replicated"][name]), name
+        assert r["host"]["norms"] == r["norms"]  # optimizer state in host memory: the same update, bit for bit
+        for name, value in r["params"].items():
+            assert torch.equal(r["host"]["params"][name], value), name
     assert single["norms"][0] > 0 and single["tokens_after"] != single["tokens"]  # the steps really moved it
     assert any("q_norm" in n and not torch.equal(v, start[n]) for n, v in model.state_dict().items())
 
@@ -136,8 +139,11 @@ def test_tensor_parallel_activation_checkpointing_changes_nothing(qwen3_dir, tmp
 
 def test_data_parallel_replicas_of_tensor_parallel_groups(qwen3_dir, tmp_path):
     """4 processes as dp=2 x tp=2 make the update that 2 data-parallel replicas of the whole model make: the same
-    rollouts (each replica's seed is the run's plus its dp rank) and the same summed gradient."""
+    rollouts (each replica's seed is the run's plus its dp rank) and the same summed gradient; with the optimizer
+    state in host memory, exactly the same update."""
     torchrun_train(qwen3_dir, tmp_path / "dp2tp2", "--dist.tp=2", "--max_steps=2", processes=4)
+    torchrun_train(qwen3_dir, tmp_path / "dp2tp2_host", "--dist.tp=2", "--max_steps=2", "--optim.placement=host",
+                   processes=4)
     torchrun_train(qwen3_dir, tmp_path / "dp2", "--max_steps=2", processes=2)
     runs = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
             for name in ("dp2tp2", "dp2")}
@@ -146,6 +152,8 @@ def test_data_parallel_replicas_of_tensor_parallel_groups(qwen3_dir, tmp_path):
     sharded = AutoModelForCausalLM.from_pretrained(tmp_path / "dp2tp2" / "checkpoint").state_dict()
     for name, value in AutoModelForCausalLM.from_pretrained(tmp_path / "dp2" / "checkpoint").state_dict().items():
         torch.testing.assert_close(sharded[name], value, rtol=0, atol=1e-4, msg=name)  # 0.1 x lr, as above
+    host = AutoModelForCausalLM.from_pretrained(tmp_path / "dp2tp2_host" / "checkpoint").state_dict()
+    assert all(torch.equal(host[name], value) for name, value in sharded.items())
     # The optimizer state is split across the replicas: global ranks t and t + 2 (tp rank t of replicas 0 and 1)
     # hold the masters and moments of disjoint parameters that together cover all of them.
     states = [load_trainer_state(str(tmp_path / "dp2tp2" / "checkpoint"), r)["optimizer"]["state"] for r in range(4)]

@@ -2,19 +2,17 @@
 
 Each replica trains on its own samples with the loss normalised by the trained tokens of all replicas
 (``global_sum``), so after ``all_reduce_grads`` every replica holds the gradient one process would compute on
-all the samples. ``ShardedAdamW`` then keeps fp32 masters and moments only for the parameters a replica owns
-(about 1/N of them, assigned by size), steps those, and broadcasts their new values from the owner; the other
-replicas derive their changed masks exactly by comparing what arrives with what they hold.
+all the samples. The optimizer (``unison.train.ownership``) then keeps fp32 masters and moments only for the
+parameters a replica owns (about 1/N of them, ``assign_owners``), steps those, and broadcasts their new values
+from the owner; the other replicas derive their changed masks exactly by comparing what arrives with what they
+hold.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 import torch.distributed as dist
 
-from ..train.optimizer import MasterAdamW, OptimConfig, _AdamState, changed_bits, trainable
 from .runtime import local
 
 
@@ -50,34 +48,3 @@ def assign_owners(named: list[tuple[str, torch.nn.Parameter]], world: int) -> di
         owners[name] = rank
         load[rank] += p.numel()
     return owners
-
-
-class ShardedAdamW(MasterAdamW):
-    """``MasterAdamW`` with its state split across the replicas of ``group`` (ZeRO stage 1)."""
-
-    def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: OptimConfig, total_steps: int,
-                 group=None):
-        self.group = group
-        self.rank = dist.get_rank(group)
-        params = trainable(named_params)
-        self.owner = assign_owners(list(params.items()), dist.get_world_size(group))
-        super().__init__(params.items(), cfg, total_steps)
-
-    def _new_state(self, name: str, param: torch.nn.Parameter) -> _AdamState | None:
-        return super()._new_state(name, param) if self.owner[name] == self.rank else None
-
-    def _update_all(self, stepped: dict[str, torch.nn.Parameter], grad_scale: float, lr: float
-                    ) -> dict[str, torch.Tensor]:
-        masks = {}
-        for name, p in stepped.items():  # the same order on every replica: the collectives match
-            owner = dist.get_global_rank(self.group, self.owner[name]) if self.group is not None else self.owner[name]
-            data = local(p.data)  # under tensor parallelism: this rank's shard, owned by the same tp rank elsewhere
-            if self.owner[name] == self.rank:
-                masks[name] = self._update(name, p, grad_scale, lr)
-                dist.broadcast(data, owner, group=self.group)
-            else:
-                new = torch.empty_like(data)
-                dist.broadcast(new, owner, group=self.group)
-                masks[name] = changed_bits(new, data)
-                data.copy_(new)
-        return masks

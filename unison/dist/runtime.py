@@ -3,7 +3,7 @@
 Each replica runs its own engine and rollouts on its own prompts (its seed is the run's plus its rank) and
 trains on the share of the step's samples the replicas agree on (``ReadyAgreement``: every few engine steps they
 compare how many scored samples each holds); ``train_step`` normalises the loss by every replica's tokens
-and sums the gradients once; ``ShardedAdamW`` keeps 1/N of the optimizer state per replica. Rank 0 writes the
+and sums the gradients once; the optimizer's ``Ownership`` keeps 1/N of its state per replica. Rank 0 writes the
 metrics (averaged over replicas, maxima as maxima, token counts summed) and the checkpoints. Every collective
 times out after ``dist.timeout_s``, so a replica that dies makes the others fail with an error instead of
 waiting forever.

@@ -11,7 +11,7 @@ because their logits are the same all-reduced values. Rewards are computed once,
 
 Two rules of transformers' plans change here. Embedding and lm_head stay replicated instead of vocabulary-sharded.
 Norms that see one rank's heads only (Qwen3's ``q_norm``/``k_norm``: "replicated_with_grad_allreduce") are plain
-replicated parameters whose partial gradients ``TensorParallelAdamW`` sums once per optimizer step (transformers'
+replicated parameters whose partial gradients the optimizer sums once per step (``unison.train.ownership``) (transformers'
 own hook for them all-reduces the accumulated gradient after every backward, which double-counts under gradient
 accumulation: one backward per packed row). transformers' own loader is not used for the sharding because it
 insists that the tensor-parallel size be the whole world.
@@ -19,7 +19,7 @@ insists that the tensor-parallel size be the whole world.
 The forwards skip DTensor: ``LocalForward`` runs each sharded projection on its plain local shard with one explicit
 all-reduce per row-wise projection, of fp32 partial products (DTensor's per-call dispatch cost more than a decode
 step, and its bf16 partial sums added rounding noise); the parameters, gradients and optimizer stay DTensors.
-With several replicas ``ShardedTensorParallelAdamW`` splits each rank's optimizer state across them (ZeRO-1).
+With several replicas the optimizer splits each rank's state across them (ZeRO-1).
 """
 
 from __future__ import annotations
@@ -40,8 +40,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from ..train.optimizer import MasterAdamW, OptimConfig, trainable
-from .data_parallel import ShardedAdamW, all_reduce_grads, assign_owners
 from .runtime import Replica, agree_with_rank0, join_torchrun, local
 
 PARTIAL_GRAD = "replicated_with_grad_allreduce"
@@ -243,49 +241,6 @@ def partial_grad_names(model: torch.nn.Module) -> list[str]:
     patterns = [f"model.{key}" for key, style in _base_plan(model).items() if style == PARTIAL_GRAD]
     return [name for name, _ in model.named_parameters()
             if any(fnmatch.fnmatch(name.rsplit(".", 1)[0], p) for p in patterns)]
-
-
-class TensorParallelAdamW(MasterAdamW):
-    """``MasterAdamW`` on each rank's shards: fp32 masters and moments of the local shard of every sharded
-    parameter and of every replicated one; the clipping norm counts each element of the full model once."""
-
-    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, total_steps: int, tp: TensorParallel):
-        self.tp = tp
-        self.partial = set(partial_grad_names(model))
-        super().__init__(model.named_parameters(), cfg, total_steps)
-
-    _shard = staticmethod(local)
-
-    @torch.no_grad()
-    def step(self):
-        all_reduce_grads([self.params[name] for name in sorted(self.partial) if name in self.params], self.tp.group)
-        return super().step()
-
-    def _grad_norm(self, stepped: dict[str, torch.nn.Parameter]) -> float:
-        sharded = torch.zeros((), dtype=torch.float32, device=self.tp.device)
-        replicated = torch.zeros((), dtype=torch.float32, device=self.tp.device)
-        for p in stepped.values():
-            sq = torch.linalg.vector_norm(local(p.grad), dtype=torch.float32).square()
-            if isinstance(p, DTensor):
-                sharded += sq
-            else:
-                replicated += sq
-        dist.all_reduce(sharded, group=self.tp.group)
-        return float((sharded + replicated).sqrt())
-
-
-class ShardedTensorParallelAdamW(ShardedAdamW, TensorParallelAdamW):
-    """dp x tp: ``TensorParallelAdamW`` on this rank's shards, with the optimizer state split across the data-parallel
-    replicas as ``ShardedAdamW`` splits it (ZeRO stage 1). Parameter ``name`` is owned by one replica; its tp ranks
-    each step their shard of it and broadcast the new values to the same tp rank of the other replicas."""
-
-    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, total_steps: int, tp: TensorParallel,
-                 replica: Replica):
-        self.tp, self.partial = tp, set(partial_grad_names(model))
-        self.group, self.rank = replica.group, replica.rank
-        params = trainable(model.named_parameters())
-        self.owner = assign_owners(list(params.items()), replica.world)
-        MasterAdamW.__init__(self, params.items(), cfg, total_steps)
 
 
 def digest(samples) -> str:

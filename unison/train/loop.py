@@ -13,13 +13,10 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..dist.data_parallel import ShardedAdamW
 from ..dist.runtime import ReadyAgreement, check_replicas_agree, init_replicas, reduce_metrics
 from ..dist.tensor_parallel import (
     BroadcastScorer,
-    ShardedTensorParallelAdamW,
     TensorParallel,
-    TensorParallelAdamW,
     check_ranks_agree,
     full_state_dict,
     init_tensor_parallel,
@@ -35,7 +32,7 @@ from ..tasks import Task, load_task
 from .checkpoint import save_hf_checkpoint, save_trainer_state
 from .config import TrainConfig
 from .memory import auto_row_tokens, explain_oom, kv_blocks_for, plan_memory
-from .optimizer import make_optimizer
+from .optimizer import build_optimizer
 from .resume import load_resume_state, restore, run_record
 from .run_dir import check_run_dir, start_run
 from .step import check_packed_attention, train_step
@@ -58,8 +55,8 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     else:
         replica = init_replicas(cfg.dist, torch.device(device).type)
     scaled_out = replica is not None or tp is not None  # (a sync process group, if any, comes later and is not this)
-    if scaled_out and (cfg.optim.placement == "host" or cfg.sync.mode != "colocated"):
-        raise ValueError("data-parallel replicas and tensor parallelism run colocated with optim.placement=gpu for now")
+    if scaled_out and cfg.sync.mode != "colocated":
+        raise ValueError("data-parallel replicas and tensor parallelism run colocated for now")
     rank, world = (dist.get_rank(), dist.get_world_size()) if scaled_out else (0, 1)  # rank names its trainer state
     main = rank == 0
     if replica is not None:
@@ -76,13 +73,7 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     task = task or load_task(cfg.data)
     # The run's seed drives sampling too, unless the engine section sets its own.
     engine_cfg = cfg.engine if cfg.engine.seed is not None else dataclasses.replace(cfg.engine, seed=seed)
-    if tp is not None:
-        optimizer = TensorParallelAdamW(model, cfg.optim, cfg.max_steps, tp) if replica is None else \
-            ShardedTensorParallelAdamW(model, cfg.optim, cfg.max_steps, tp, replica)
-    elif replica is None:
-        optimizer = make_optimizer(model.named_parameters(), cfg.optim, total_steps=cfg.max_steps)
-    else:
-        optimizer = ShardedAdamW(model.named_parameters(), cfg.optim, cfg.max_steps, replica.group)
+    optimizer = build_optimizer(model, cfg.optim, cfg.max_steps, tp=tp, replica=replica)
     longest_prompt = _longest_prompt(cfg, tokenizer, task)  # sizes the KV pool and the packed rows
     publisher = None
     if cfg.sync.mode == "colocated":

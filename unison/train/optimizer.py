@@ -5,6 +5,10 @@ fp32 master, exp_avg and exp_avg_sq per parameter, steps those, and copies bf16(
 parameter in place (same storage: the engine decodes from it). The write-back also yields the exact
 set of elements that changed, which is what a sparse weight sync sends; no snapshot is needed because
 the parameter itself is the receiver's state.
+
+One optimizer, ``MasterAdamW``, composed of a state store (``state_store``: where the masters and moments live)
+and an ownership policy (``ownership``: which parameters this rank steps and how the others get their new values);
+``build_optimizer`` picks both from the config and the topology.
 """
 
 from __future__ import annotations
@@ -15,6 +19,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from ..dist.runtime import Replica, local
+from ..dist.tensor_parallel import TensorParallel, partial_grad_names
+from .adamw import adamw_step
+from .ownership import Ownership
+from .state_store import DeviceStore, HostStore, StateStore, Update
 
 
 @dataclass
@@ -88,31 +98,28 @@ class StepStats:
     num_changed: int
 
 
-@dataclass
-class _AdamState:
-    master: torch.Tensor  # fp32, the parameter's shape
-    exp_avg: torch.Tensor  # fp32
-    exp_avg_sq: torch.Tensor  # fp32
-
-
 class MasterAdamW:
     """AdamW over fp32 masters of ``named_params`` (trainable ones; duplicates of a tied tensor once).
 
-    After ``step()``: ``last_lr`` is the lr used, ``changed_masks[name]`` a bool tensor of the
-    parameter's shape that is true exactly where the stored parameter value changed (only parameters
-    that had a grad, and so were stepped, appear), ``changed_fraction`` their overall changed fraction.
-    Parameters without a grad are skipped entirely, as torch.optim.AdamW does.
+    After ``step()``: ``last_lr`` is the lr used, ``changed_masks[name]`` a bool tensor of the (local) parameter's
+    shape that is true exactly where the stored parameter value changed (only parameters that had a grad, and so
+    were stepped, appear), ``changed_fraction`` their overall changed fraction. Parameters without a grad are
+    skipped entirely, as torch.optim.AdamW does. ``state[name]`` is the parameter's ``AdamState``, or None where
+    another rank owns it. ``store`` defaults to ``DeviceStore()``, ``ownership`` to every parameter on this rank.
     """
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: OptimConfig,
-                 total_steps: int):
+                 total_steps: int, store: StateStore | None = None, ownership: Ownership | None = None):
         if cfg.schedule == "cosine" and total_steps <= cfg.warmup_steps:
             raise ValueError(f"total_steps ({total_steps}) must exceed warmup_steps ({cfg.warmup_steps}) "
                              "for the cosine schedule")
         self.cfg = cfg
         self.total_steps = total_steps
         self.params = trainable(named_params)
-        self.state = {name: self._new_state(name, p) for name, p in self.params.items()}
+        self.store = store if store is not None else DeviceStore()
+        self.ownership = ownership if ownership is not None else Ownership()
+        held = self.store.allocate({name: local(p) for name, p in self.params.items() if self.ownership.owns(name)})
+        self.state = {name: held.get(name) for name in self.params}
         self.step_count = 0
         self.last_lr: float | None = None
         self.changed_masks: dict[str, torch.Tensor] = {}
@@ -143,8 +150,9 @@ class MasterAdamW:
     @torch.no_grad()
     def step(self) -> StepStats:
         """Clip, step every parameter with a grad, write back; raises on a non-finite gradient norm."""
+        self.ownership.reduce_grads(self.params)
         stepped = {name: p for name, p in self.params.items() if p.grad is not None}
-        grad_norm = self._grad_norm(stepped)
+        grad_norm = self.ownership.grad_norm(stepped)
         if not math.isfinite(grad_norm):
             # Stepping would spread NaN/inf through every master, and the engine decodes from them.
             raise FloatingPointError(f"non-finite gradient norm {grad_norm} at step {self.step_count}")
@@ -155,43 +163,26 @@ class MasterAdamW:
         lr = self.lr_at(self.step_count)
         self.step_count += 1
         self.last_lr = lr
-        self.changed_masks = self._update_all(stepped, grad_scale, lr)
+        work = [(name, self.state[name], local(p.data), local(p.grad))
+                for name, p in stepped.items() if self.ownership.owns(name)]
+        self.changed_masks = self.ownership.share(stepped, self.store.update(work, self._update(grad_scale, lr)))
         num_changed = sum(int(m.sum()) for m in self.changed_masks.values())
         numel = sum(m.numel() for m in self.changed_masks.values())
         self.changed_fraction = num_changed / numel if numel else 0.0
         return StepStats(step=self.step_count, lr=lr, grad_norm=grad_norm,
                          changed_fraction=self.changed_fraction, num_changed=num_changed)
 
-    def _grad_norm(self, stepped: dict[str, torch.nn.Parameter]) -> float:
-        return global_grad_norm([p.grad for p in stepped.values()])
+    def _update(self, grad_scale: float, lr: float) -> Update:
+        """This step's AdamW arithmetic on one tensor (or a chunk of one), for the store to run where it keeps it."""
+        cfg, step = self.cfg, self.step_count
 
-    @staticmethod
-    def _shard(t: torch.Tensor) -> torch.Tensor:
-        """The part of a parameter (or its gradient) this optimizer steps: all of it, except under tensor
-        parallelism."""
-        return t
-
-    def _new_state(self, name: str, param: torch.nn.Parameter) -> _AdamState | None:
-        param = self._shard(param)
-        return _AdamState(master=param.detach().to(torch.float32, copy=True),
-                          exp_avg=torch.zeros_like(param, dtype=torch.float32),
-                          exp_avg_sq=torch.zeros_like(param, dtype=torch.float32))
-
-    def _update_all(self, stepped: dict[str, torch.nn.Parameter], grad_scale: float, lr: float
-                    ) -> dict[str, torch.Tensor]:
-        return {name: self._update(name, p, grad_scale, lr) for name, p in stepped.items()}
-
-    def _update(self, name: str, param: torch.nn.Parameter, grad_scale: float, lr: float) -> torch.Tensor:
-        """Step one parameter and write it back; returns its changed mask. The unit a streamed-from-host
-        variant wraps with its copy-in / copy-out."""
-        state = self.state[name]
-        grad = self._shard(param.grad).to(torch.float32)
-        if grad_scale != 1.0:
-            grad = grad * grad_scale
-        adamw_step(state.master, grad, state.exp_avg, state.exp_avg_sq, step=self.step_count, lr=lr,
-                   beta1=self.cfg.beta1, beta2=self.cfg.beta2, eps=self.cfg.eps,
-                   weight_decay=self.cfg.weight_decay)
-        return write_back(self._shard(param.data), state.master)
+        def update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor):
+            grad = grad.to(torch.float32)
+            if grad_scale != 1.0:
+                grad = grad * grad_scale
+            adamw_step(master, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
+                       eps=cfg.eps, weight_decay=cfg.weight_decay)
+        return update
 
     def zero_grad(self) -> None:
         for p in self.params.values():
@@ -209,57 +200,26 @@ def trainable(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> dict[st
     return params
 
 
-def make_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: OptimConfig,
-                   total_steps: int) -> MasterAdamW:
-    """The optimizer ``cfg.placement`` asks for."""
-    if cfg.placement == "host":
-        from .streamed import HostAdamW
-        return HostAdamW(named_params, cfg, total_steps)
-    return MasterAdamW(named_params, cfg, total_steps)
+def build_optimizer(model_or_named_params: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]],
+                    cfg: OptimConfig, total_steps: int, tp: TensorParallel | None = None,
+                    replica: Replica | None = None) -> MasterAdamW:
+    """The run's optimizer: its state where ``cfg.placement`` says, owned as the topology says (``tp``: this rank's
+    tensor-parallel group, which needs the model itself, whose plan names the partial-gradient norms; ``replica``:
+    its data-parallel replicas, which split the state between them).
 
-
-def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
-               step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
-    """One AdamW update in place, operation for operation torch.optim.AdamW's single-tensor path.
-
-    master, grad, exp_avg, exp_avg_sq: same shape, float32. ``step`` counts from 1 (bias correction).
+    >>> opt = build_optimizer(torch.nn.Linear(4, 2), OptimConfig(placement="host"), total_steps=10)
+    >>> type(opt.store).__name__, opt.ownership.owner is None
+    ('HostStore', True)
     """
-    master.mul_(1.0 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-    bias_correction1 = 1.0 - beta1**step
-    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    master.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
-
-
-def write_back(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
-    """Copy master (fp32) into param in its own dtype, in place.
-
-    Returns a bool mask of param's shape, true exactly where the stored bits changed."""
-    new = master.to(param.dtype)
-    mask = changed_bits(new, param)
-    param.copy_(new)
-    return mask
-
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def as_bits(t: torch.Tensor) -> torch.Tensor:
-    """The same memory viewed as signed integers of the element's width."""
-    return t.view(_BITS[t.element_size()])
-
-
-def changed_bits(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """Where the stored bits differ. Bits, not values: -0.0 == 0.0 would leave a receiver's bytes (and checksum)
-    stale."""
-    return as_bits(new) != as_bits(old)
-
-
-def global_grad_norm(grads: list[torch.Tensor]) -> float:
-    """The L2 norm over all ``grads`` together, accumulated in fp32 whatever their dtype."""
-    if not grads:
-        return 0.0
-    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
-    return float(torch.linalg.vector_norm(norms))
+    if isinstance(model_or_named_params, torch.nn.Module):
+        named = model_or_named_params.named_parameters()
+        partial = partial_grad_names(model_or_named_params) if tp is not None else ()
+    elif tp is not None:
+        raise TypeError("build_optimizer: tensor parallelism needs the model, not its named parameters (the model's "
+                        "plan names the norms whose gradients are summed over the group)")
+    else:
+        named, partial = model_or_named_params, ()
+    params = trainable(named)
+    store = HostStore() if cfg.placement == "host" else DeviceStore()
+    return MasterAdamW(params.items(), cfg, total_steps, store=store,
+                       ownership=Ownership(params, dp=replica, tp=tp, partial=partial))
