@@ -13,7 +13,7 @@ import time
 
 import torch
 from conftest import tiny_llama
-from dp_peer import STEPS, step_samples
+from peers.dp_peer import STEPS, step_samples
 
 from unison.dist.data_parallel import assign_owners
 from unison.dist.runtime import split_ready
@@ -21,7 +21,8 @@ from unison.train.loss import LossConfig
 from unison.train.optimizer import MasterAdamW, OptimConfig
 from unison.train.step import train_step
 
-PEER = os.path.join(os.path.dirname(__file__), "dp_peer.py")
+PEERS = os.path.join(os.path.dirname(__file__), "peers")
+PEER = os.path.join(PEERS, "dp_peer.py")
 
 
 def test_two_replicas_equal_one_process(tmp_path):
@@ -78,7 +79,7 @@ def test_replicas_agree_on_when_to_train(tmp_path):
 def run_ready_peers(tmp_path, mode: str) -> list[tuple[int, str]]:
     tmp_path.mkdir(exist_ok=True)
     port = free_port()
-    procs = [launch([sys.executable, os.path.join(os.path.dirname(__file__), "ready_peer.py"), str(tmp_path), mode],
+    procs = [launch([sys.executable, os.path.join(PEERS, "ready_peer.py"), str(tmp_path), mode],
                     port, rank) for rank in range(2)]
     return [(p.returncode, out) for p in procs for out, _ in [p.communicate(timeout=300)]]
 
@@ -132,7 +133,7 @@ def test_torchrun_two_replicas_train(model_dir, tmp_path):
     and the replicas end with identical parameters (checked inside the run)."""
     out = tmp_path / "run"
     port = free_port()
-    peer = os.path.join(os.path.dirname(__file__), "train_peer.py")
+    peer = os.path.join(PEERS, "train_peer.py")
     proc = launch([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
                    peer, model_dir, str(out), "--save_every=2"], port)
     log, _ = proc.communicate(timeout=600)
@@ -154,7 +155,7 @@ def test_torchrun_two_replicas_train(model_dir, tmp_path):
 
 def test_a_dead_replica_fails_the_others_instead_of_hanging(model_dir, tmp_path):
     port = free_port()
-    peer = os.path.join(os.path.dirname(__file__), "train_peer.py")
+    peer = os.path.join(PEERS, "train_peer.py")
     args = [sys.executable, peer, model_dir, str(tmp_path / "run"), "--max_steps=500", "--dist.timeout_s=30"]
     procs = [launch(args, port, rank) for rank in range(2)]
     time.sleep(15)  # both are training by now

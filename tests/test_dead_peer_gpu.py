@@ -16,7 +16,8 @@ from test_data_parallel import free_port, launch
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")]
-PEER = os.path.join(os.path.dirname(__file__), "train_peer.py")
+PEERS = os.path.join(os.path.dirname(__file__), "peers")
+PEER = os.path.join(PEERS, "train_peer.py")
 TIMEOUT_S = 30
 
 

@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-PEER = os.path.join(os.path.dirname(__file__), "sync_peer.py")
+PEERS = os.path.join(os.path.dirname(__file__), "peers")
+PEER = os.path.join(PEERS, "sync_peer.py")
 
 
 def free_port() -> int:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_tokenizer
-from tp_peer import OPTIM, STEPS, run
+from peers.tp_peer import OPTIM, STEPS, run
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from unison.dist.tensor_parallel import _fp32_product
@@ -22,7 +22,7 @@ from unison.models import load_policy
 from unison.train.checkpoint import load_trainer_state
 from unison.train.optimizer import MasterAdamW
 
-HERE = os.path.dirname(__file__)
+PEERS = os.path.join(os.path.dirname(__file__), "peers")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def free_port() -> int:
 
 def test_two_ranks_equal_one_process(qwen3_dir, tmp_path):
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "tp_peer.py"), qwen3_dir, str(tmp_path)],
+    procs = [subprocess.Popen([sys.executable, os.path.join(PEERS, "tp_peer.py"), qwen3_dir, str(tmp_path)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
@@ -102,7 +102,7 @@ def test_rowwise_partials_round_once_as_one_process():
 
 def torchrun_train(model_dir: str, out, *overrides: str, processes: int = 2) -> None:
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}",
-                           f"--master-port={free_port()}", os.path.join(HERE, "train_peer.py"), model_dir, str(out),
+                           f"--master-port={free_port()}", os.path.join(PEERS, "train_peer.py"), model_dir, str(out),
                            *overrides],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

@@ -15,7 +15,7 @@ from test_tensor_parallel import free_port
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 pytestmark = pytest.mark.gpu
-HERE = os.path.dirname(__file__)
+PEERS = os.path.join(os.path.dirname(__file__), "peers")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
@@ -29,7 +29,7 @@ def test_tensor_parallel_decode_graphs_on_two_gpus(tmp_path):
     tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     tok.save_pretrained(tmp_path / "model")
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "tp_gpu_peer.py"), str(tmp_path / "model"),
+    procs = [subprocess.Popen([sys.executable, os.path.join(PEERS, "tp_gpu_peer.py"), str(tmp_path / "model"),
                                str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})

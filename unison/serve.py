@@ -39,12 +39,12 @@ import torch
 
 from .config import ConfigError
 from .engine import Engine, EngineConfig, SamplingParams
+from .models import ModelConfig
 from .serve_request import RequestError, parse_completion_request, to_json
 from .sync import Receiver, checksum
 from .sync.auth import TOKEN_ENV, check_authorization, resolve_token
 from .sync.codec import Framed
 from .sync.transport import DirectorySubscriber
-from .train.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

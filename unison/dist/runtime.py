@@ -18,6 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..bits import checksum
+
 
 @dataclass
 class DistConfig:
@@ -158,7 +160,5 @@ def agree_with_rank0(value, ranks: Replica, what: str) -> None:
 
 def check_replicas_agree(model: torch.nn.Module, replica: Replica) -> None:
     """Raise if any replica's parameters differ from rank 0's (they must be identical after every step)."""
-    from ..sync.codec import checksum
-
     agree_with_rank0({name: checksum(local(p)) for name, p in model.named_parameters()}, replica,
                      "data-parallel replicas {} hold parameters that differ from rank 0's")

@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from ..bits import checksum
 from .runtime import Replica, agree_with_rank0, join_torchrun, local
 
 PARTIAL_GRAD = "replicated_with_grad_allreduce"
@@ -275,7 +276,5 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def replicated_agree(model: torch.nn.Module, tp: TensorParallel) -> None:
     """Raise if a replicated parameter differs from rank 0's (they must stay identical)."""
-    from ..sync.codec import checksum
-
     agree_with_rank0({name: checksum(p) for name, p in model.named_parameters() if not isinstance(p, DTensor)}, tp,
                      "tensor-parallel ranks {} hold replicated parameters that differ from rank 0's")

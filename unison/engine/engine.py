@@ -25,6 +25,7 @@ from .cache import BlockAllocator, KVPool
 from .lm_head import check_plain_lm_head, decoder_of, lm_head_fp32
 from .sampler import sample
 from .scheduler import Request, ScheduledChunk, Scheduler
+from .seeding import SEED_RANGE, request_seed, token_seed
 from .types import Completion, EngineConfig, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class Engine:
         max_len = min(len(prompt) + params.max_new_tokens, self.max_model_len)
         ids = []
         for i in range(params.n):
-            seed = hash((params.seed, i)) & (2**52 - 1) if params.seed is not None else None
+            seed = request_seed(params.seed, i) if params.seed is not None else None
             req = Request(f"{group}-{i}", group, prompt, params, stop, max_len, self._arrivals, seed)
             self._arrivals += 1
             self._requests[req.request_id] = req
@@ -256,8 +257,8 @@ class Engine:
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         temperature = [r.params.temperature for r in reqs]
         if self._fused_sample is not None and all(r.params.top_k == 0 and r.params.top_p == 1 for r in reqs):
-            drawn = self._seed_rng.integers(0, 2**52, len(reqs)).tolist()
-            seeds = [d if r.seed is None else (r.seed * 1000003 + len(r.output)) & (2**52 - 1)
+            drawn = self._seed_rng.integers(0, SEED_RANGE, len(reqs)).tolist()
+            seeds = [d if r.seed is None else token_seed(r.seed, len(r.output))
                      for r, d in zip(reqs, drawn, strict=True)]
             return self._fused_sample(logits, temperature, seeds)
         return sample(logits, temperature, [r.params.top_k for r in reqs], [r.params.top_p for r in reqs],

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..config import check_literals
+
 
 @dataclass
 class EngineConfig:
@@ -39,11 +41,7 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
-        if self.attention not in ("auto", "torch", "triton"):
-            raise ValueError(f"EngineConfig.attention must be 'auto', 'torch' or 'triton', got {self.attention!r}")
-        if self.inflight_policy not in ("keep", "recompute"):
-            raise ValueError(
-                f"EngineConfig.inflight_policy must be 'keep' or 'recompute', got {self.inflight_policy!r}")
+        check_literals(self, "EngineConfig.")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from ..engine import Completion, Engine, SamplingParams
+from ..engine.seeding import group_seed
 from .advantage import group_advantages
 from .rewards import RewardFn, RewardScorer
 from .sample import Sample
@@ -187,7 +188,7 @@ class RolloutLoop:
             self.groups[group_id] = _Group(row, text, len(request_ids), [])
 
     def _params_for(self, prompt_tokens: int) -> SamplingParams:
-        params = dataclasses.replace(self.params, seed=self.seed_rng.getrandbits(52))
+        params = dataclasses.replace(self.params, seed=group_seed(self.seed_rng))
         if self.max_sample_tokens is None or prompt_tokens + params.max_new_tokens <= self.max_sample_tokens:
             return params
         room = self.max_sample_tokens - prompt_tokens
@@ -214,15 +215,16 @@ class RolloutLoop:
         keys = dict.fromkeys(k for row in rows for k in row if k != "prompt")
         columns = {k: [row.get(k) for row in rows] for k in keys}
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in finished]
-        scores = iter(self.scorer.score([self.groups[c.group_id].prompt_text for c in finished], texts, columns)
-                      if finished else [])
+        prompts = [self.groups[c.group_id].prompt_text for c in finished]
+        scored = self.scorer.score(prompts, texts, columns) if finished else []
+        scores = dict(zip((c.request_id for c in finished), scored, strict=True))
         for completion in completions:
             group = self.groups[completion.group_id]
             group.pending -= 1
-            if completion.finish_reason == "abort" or not completion.token_ids:
+            if completion.request_id not in scores:  # aborted, or finished without a token
                 self.counts["aborted"] += 1
             else:
-                reward, parts = next(scores)
+                reward, parts = scores[completion.request_id]
                 group.landed.append((completion, reward))
                 self.window["length"].append(len(completion.token_ids))
                 self.window["truncated"].append(float(completion.finish_reason == "length"))

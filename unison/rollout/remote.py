@@ -9,15 +9,12 @@ completions with no tokens: counted by the rollout loop, never a crash of the ru
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import urllib.error
-import urllib.request
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from ..engine import Completion, SamplingParams
-from ..sync.auth import auth_headers
+from ..sync.http import post_json
 
 log = logging.getLogger(__name__)
 
@@ -77,28 +74,3 @@ def _logprobs(choice: dict) -> list[float]:
     """The server writes strict JSON, a non-finite logprob (sampled from NaN logits) as null: read back as NaN, the
     float the engine produced, so the rest of the loop sees a number and never a None."""
     return [math.nan if x is None else x for x in choice["logprobs"]]
-
-
-class HTTPStatusError(RuntimeError):
-    """A server answered with an error status; ``status`` and ``detail`` (its JSON reply) say which and why."""
-
-    def __init__(self, url: str, status: int, detail: dict):
-        super().__init__(f"{url}: HTTP {status}: {detail.get('error')}")
-        self.url, self.status, self.detail = url, status, detail
-
-
-def post_json(url: str, payload: dict | bytes, timeout: float, token: str = "") -> dict:
-    """POST (JSON or raw bytes) with the shared secret ``token`` if any; returns the JSON reply. An HTTP error status
-    raises ``HTTPStatusError`` with the server's message."""
-    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, headers=auth_headers(token))
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as reply:
-            return json.loads(reply.read())
-    except urllib.error.HTTPError as e:
-        body = e.read()
-        try:
-            detail = json.loads(body)
-        except ValueError:
-            detail = {"error": body[:200].decode(errors="replace")}
-        raise HTTPStatusError(url, e.code, detail) from e

@@ -15,7 +15,6 @@ Two framings of the same content: a safetensors file (``encode``: bytes, for dir
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import struct
@@ -25,7 +24,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ..bits import as_bits
+from ..bits import checksum
 from .validate import INDEX_DTYPES, DivergedError, PatchError, check_patch, read_metadata
 
 FORMAT = "unison-patch-3"  # 3 added the restart flag
@@ -45,30 +44,6 @@ class Patch:
     @property
     def num_elements(self) -> int:
         return sum(v.numel() for v in self.values.values())
-
-
-_CHUNK = 1 << 24
-_K1, _K2, _K3 = -7046029254386353131, -4658895280553007687, 7256422663693437747  # odd 64-bit constants
-
-
-def checksum(t: torch.Tensor) -> str:
-    """128-bit digest of a tensor's bits, its shape and dtype, computed where the tensor lives (no copy to the
-    host): each element's bits are mixed with its position, the mixes summed mod 2**64 in two lanes. Integer sums
-    are order-free, so the CPU and the GPU agree exactly. It detects corruption and divergence, not adversaries."""
-    flat = as_bits(t.detach().reshape(-1))
-    lanes = [0, 0]
-    for start in range(0, flat.numel(), _CHUNK):
-        bits = flat[start:start + _CHUNK].to(torch.int64)
-        pos = torch.arange(start, start + bits.numel(), dtype=torch.int64, device=bits.device)
-        for lane, (a, b) in enumerate(((_K1, _K2), (_K2, _K3))):
-            v = bits * a + pos * b
-            v = (v ^ (v >> 29)) * _K3
-            v = v ^ (v >> 32)
-            lanes[lane] = (lanes[lane] + int(v.sum())) % 2**64
-    h = hashlib.blake2b(digest_size=16)
-    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-    h.update(lanes[0].to_bytes(8, "little") + lanes[1].to_bytes(8, "little"))
-    return h.hexdigest()
 
 
 def sparse_patch(params: dict[str, torch.Tensor], masks: dict[str, torch.Tensor], base_version: int,

@@ -21,9 +21,10 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from ..config import InputError
+from ..config import InputError, check_literals
 from .auth import TOKEN_ENV, resolve_token
 from .codec import Framed, Patch, anchor_patch, encode, frame, payload_nbytes, sparse_patch
+from .http import HTTPStatusError, post_json
 from .transport import DirectoryPublisher, DistChannel
 
 
@@ -44,10 +45,7 @@ class SyncConfig:
     them; empty: ``$UNISON_SYNC_TOKEN`` if set, else none."""
 
     def __post_init__(self):
-        if self.mode not in ("colocated", "sparse", "full"):
-            raise ValueError(f"sync.mode must be 'colocated', 'sparse' or 'full', got {self.mode!r}")
-        if self.transport not in ("http", "fsspec", "dist"):
-            raise ValueError(f"sync.transport must be 'http', 'fsspec' or 'dist', got {self.transport!r}")
+        check_literals(self, "sync.")
         if self.mode != "colocated" and not self.servers:
             raise ValueError(f"sync.mode={self.mode} generates on `unison serve` servers: set sync.servers")
         if self.mode != "colocated" and self.transport in ("fsspec", "dist") and not self.url:
@@ -122,8 +120,6 @@ class WeightPublisher:
     def _post(self, url: str, blob: bytes, anchor: bool, anchor_blob, token: str, initial: bool) -> int:
         """POST ``blob`` to one server, and an anchor if it answers 409 (it needs one) or 400 (it refused the
         trainer's own patch, so it is behind). Returns the anchors sent."""
-        from ..rollout.remote import HTTPStatusError
-
         try:
             self._post_once(url, blob, token, initial)
             return 0
@@ -140,8 +136,6 @@ class WeightPublisher:
         return 1
 
     def _post_once(self, url: str, blob: bytes, token: str, initial: bool) -> None:
-        from ..rollout.remote import HTTPStatusError, post_json
-
         try:
             post_json(url, blob, self.cfg.timeout_s, token)
         except HTTPStatusError as e:

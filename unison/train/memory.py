@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 
+from ..config import check_literals
 from ..dist.runtime import local
 
 
@@ -27,8 +28,7 @@ class MemoryConfig:
 
 
     def __post_init__(self):
-        if self.lend_kv not in ("auto", "always", "never"):
-            raise ValueError(f"memory.lend_kv must be 'auto', 'always' or 'never', got {self.lend_kv!r}")
+        check_literals(self, "memory.")
 
     def lends(self, device: torch.device) -> bool:
         return self.lend_kv == "always" or (self.lend_kv == "auto" and device.type == "cuda")

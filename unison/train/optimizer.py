@@ -20,6 +20,7 @@ from typing import Literal
 
 import torch
 
+from ..config import check_literals
 from ..dist.runtime import Replica, local
 from ..dist.tensor_parallel import TensorParallel, partial_grad_names
 from .adamw import adamw_step
@@ -59,10 +60,7 @@ class OptimConfig:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if not self.max_grad_norm >= 0.0:
             raise ValueError(f"max_grad_norm must be >= 0, got {self.max_grad_norm}")
-        if self.placement not in ("gpu", "host"):
-            raise ValueError(f"placement must be 'gpu' or 'host', got {self.placement!r}")
-        if self.schedule not in ("constant", "warmup", "cosine"):
-            raise ValueError(f"schedule must be 'constant', 'warmup' or 'cosine', got {self.schedule!r}")
+        check_literals(self)
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

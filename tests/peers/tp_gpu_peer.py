@@ -1,6 +1,6 @@
 """One rank of a two-GPU tensor-parallel engine check (run by tests/test_tensor_parallel_gpu.py; not a test module).
 
-    python tests/tp_gpu_peer.py MODEL_DIR OUT        (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment)
+    python tests/peers/tp_gpu_peer.py MODEL_DIR OUT    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment)
 
 An fp32 model sharded over two GPUs decodes through CUDA graphs that hold the row-wise projections' NCCL
 all-reduces; its logprobs are compared with a teacher-forced forward of the whole model on this GPU, before and
@@ -15,12 +15,14 @@ import sys
 
 import torch
 import torch.distributed as dist
-from conftest import random_prompts, teacher_forced_logprobs
 
-from unison.dist.runtime import local
-from unison.dist.tensor_parallel import full_state_dict, init_tensor_parallel
-from unison.engine import Engine, EngineConfig, SamplingParams
-from unison.models import load_policy
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: conftest and the test modules
+from conftest import random_prompts, teacher_forced_logprobs  # noqa: E402
+
+from unison.dist.runtime import local  # noqa: E402
+from unison.dist.tensor_parallel import full_state_dict, init_tensor_parallel  # noqa: E402
+from unison.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from unison.models import load_policy  # noqa: E402
 
 
 def generate(model, graphs: bool) -> tuple[list, dict]:

@@ -1,6 +1,6 @@
 """One replica of a two-process data-parallel step (run by tests/test_data_parallel.py; not a test module).
 
-    python tests/dp_peer.py OUT        (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment)
+    python tests/peers/dp_peer.py OUT        (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment)
 
 Trains the tiny model on this rank's half of fixed samples for 3 steps, once with the optimizer state
 replicated, once sharded across the replicas, once sharded in host memory (optim.placement=host), then sharded on
@@ -15,7 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: conftest and the test modules
 from conftest import teacher_forced_logprobs, tiny_llama  # noqa: E402
 
 from unison.dist.runtime import Replica  # noqa: E402

@@ -1,6 +1,6 @@
 """One side of a two-process weight sync (run by tests/test_sync_processes.py; not a test module).
 
-    python tests/sync_peer.py ROLE TRANSPORT OUT [URL]     ROLE: trainer | server; TRANSPORT: dist | dir
+    python tests/peers/sync_peer.py ROLE TRANSPORT OUT [URL]     ROLE: trainer | server; TRANSPORT: dist | dir
 
 The trainer trains a bf16 tiny model for STEPS optimizer steps and syncs each step's changed elements, with
 faults injected on the way (a dropped patch, corrupted bytes, a stale patch for an older base version, an
@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: conftest and the test modules
 from conftest import tiny_llama  # noqa: E402
 
 from unison.sync import Framed, Patch, Receiver, anchor_patch, checksum, encode, frame, sparse_patch  # noqa: E402

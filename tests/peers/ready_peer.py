@@ -1,7 +1,7 @@
 """One replica of a two-process rollout that agrees on when to train (run by tests/test_data_parallel.py; not a
 test module).
 
-    python tests/ready_peer.py OUT [both_score|one_scores|none_score]      (RANK, WORLD_SIZE, ... from the environment)
+    python tests/peers/ready_peer.py OUT [both_score|one_scores|none_score]  (RANK, WORLD_SIZE, ... from the env)
 
 Rank 0 keeps 16 samples of up to 4 tokens in flight, rank 1 one group of up to 12: rank 0 scores samples
 several times faster. Both agree every 2 engine steps on 4 batches of 16 samples between them; each saves the
@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: conftest and the test modules
 from test_rollout import count_w7, make_loop  # noqa: E402
 
 from unison.dist.runtime import ReadyAgreement, Replica  # noqa: E402

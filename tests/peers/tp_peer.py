@@ -1,6 +1,6 @@
 """One rank of a two-process tensor-parallel run (run by tests/test_tensor_parallel.py; not a test module).
 
-    python tests/tp_peer.py MODEL_DIR OUT        (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment)
+    python tests/peers/tp_peer.py MODEL_DIR OUT        (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment)
 
 Loads the model sharded across the two ranks, generates seeded completions, trains two steps on them (several
 packed rows per step: gradient accumulation), generates again from the updated shards, and saves what it saw; then
