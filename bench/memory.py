@@ -5,7 +5,7 @@ memory, for Qwen3 shapes; and the largest shape that trains colocated on one GPU
 
 A step is what `unison train` does, without a tokenizer: 8 random 64-token prompts x G=8 samples of 512 tokens
 (no stop tokens), random rewards (group advantages), then one packed training step (fp32-master AdamW,
-lr 1e-6) inside ``engine.lend()`` or not, then ``engine.on_weights_updated()``. Random bf16 weights.
+lr 1e-6) inside ``engine.lend()`` or not, then ``engine.weights_updated(version)``. Random bf16 weights.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def grpo_steps(shape: str, placement: str, lend: bool, steps: int, checkpointing
         torch.cuda.reset_peak_memory_stats()
         with engine.lend() if lend else nullcontext(0):
             metrics = train_step(model, opt, samples, LossConfig(), 1.0, row_tokens, 0, 1024, checkpointing)
-        engine.on_weights_updated()
+        engine.weights_updated(step + 1)
         torch.cuda.synchronize()
         t2 = time.perf_counter()
         times.append((t2 - t0, t1 - t0, t2 - t1))

@@ -26,8 +26,7 @@ from engine import SHAPES, build
 from grpo_step import make_checkpoint
 from memory import GROUP, PROMPT_TOKENS, scored_samples
 
-from unison.dist.runtime import Replica
-from unison.dist.tensor_parallel import TensorParallel, init_tensor_parallel
+from unison.dist.topology import Ranks, Topology, init_topology
 from unison.engine import Engine, EngineConfig, SamplingParams
 from unison.models import load_policy
 from unison.train.loss import LossConfig
@@ -35,26 +34,27 @@ from unison.train.optimizer import OptimConfig, build_optimizer
 from unison.train.step import train_step
 
 
-def run(rank: int, world: int, args, prompts_here: int, tp: TensorParallel | None = None) -> dict:
+def run(rank: int, world: int, args, prompts_here: int, topology: Topology | None = None) -> dict:
     """GRPO steps on ``prompts_here`` prompts: alone (world 1), as one data-parallel replica, or as one rank of a
-    tensor-parallel group (``tp``: every rank runs the same samples on its shard of the model)."""
+    tensor-parallel group (``topology.tp``: every rank runs the same samples on its shard of the model)."""
     cuda = args.device == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats(device)
     cfg = OptimConfig(lr=args.lr)
+    tp = topology.tp if topology is not None else None
     group = dist.group.WORLD if world > 1 and tp is None else None
     if tp is not None:
-        model, _ = load_policy(args.checkpoint, dtype=torch.bfloat16, device=device, tp_mesh=tp.mesh)
-        opt = build_optimizer(model, cfg, args.steps, tp=tp)
+        model, _ = load_policy(args.checkpoint, dtype=torch.bfloat16, device=device, topology=topology)
     else:
         model = build(args.shape, device.type, torch.bfloat16, "unison")
-        opt = build_optimizer(model, cfg, args.steps, replica=Replica(rank, world, device, group) if group else None)
+        topology = Topology(device, rank, world, dp=Ranks(rank, world, device, group)) if group else None
+    opt = build_optimizer(model, cfg, args.steps, topology)
     seed = rank if group else 0  # replicas roll out their own prompts; tensor-parallel ranks the same ones
     engine = Engine(model, EngineConfig(num_blocks=prompts_here * GROUP * (-(-(PROMPT_TOKENS + args.new) // 16) + 1),
                                         block_size=16, max_num_seqs=prompts_here * GROUP, max_batch_tokens=8192,
-                                        seed=seed, cuda_graphs=not args.eager))
+                                        seed=seed, cuda_graphs=not args.eager), topology=topology)
     g = torch.Generator().manual_seed(1000 + seed)
     prompts = [torch.randint(10, model.config.vocab_size, (PROMPT_TOKENS,), generator=g).tolist()
                for _ in range(prompts_here)]
@@ -66,9 +66,9 @@ def run(rank: int, world: int, args, prompts_here: int, tp: TensorParallel | Non
         done = engine.generate(prompts, SamplingParams(max_new_tokens=args.new, n=GROUP, seed=step,
                                                        stop_token_ids=()))
         samples = scored_samples(done, torch.rand(len(done), generator=g).tolist())
-        metrics = train_step(model, opt, samples, LossConfig(), 1.0, 8192, 0, 1024, dp_group=group)
+        metrics = train_step(model, opt, samples, LossConfig(), 1.0, 8192, 0, 1024, topology=topology)
         mismatch.append(metrics["mismatch/logprob_diff_mean"])  # engine vs trainer, before this step's update
-        engine.on_weights_updated()
+        engine.weights_updated(step + 1)
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
@@ -83,8 +83,7 @@ def worker(rank: int, world: int, port: int, args, out: str, tensor_parallel: bo
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     if tensor_parallel:
-        tp, _ = init_tensor_parallel(world, 600.0, args.device)
-        result = run(rank, world, args, args.prompts, tp)
+        result = run(rank, world, args, args.prompts, init_topology(world, 600.0, args.device))
     else:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world)
         result = run(rank, world, args, args.prompts // world)

@@ -35,7 +35,7 @@ from unison.rollout.sample import Sample
 from unison.sync import Framed, Receiver, anchor_patch, apply, decode, encode, frame, sparse_patch
 from unison.sync.codec import payload_nbytes
 from unison.sync.masks import adamw_inversion_mask
-from unison.sync.transport import DistChannel
+from unison.sync.transports import DistChannel
 from unison.train.loss import LossConfig
 from unison.train.optimizer import OptimConfig, build_optimizer
 from unison.train.step import train_step
@@ -90,7 +90,7 @@ def trainer(args, device: torch.device, channel: DistChannel, save) -> list[dict
             for step in range(1, args.steps + 1):
                 samples = grpo_samples(engine, prompts, step)
                 train_step(model, opt, samples, LossConfig(), 1.0, 8192, 0, 1024)
-                engine.on_weights_updated()
+                engine.weights_updated(step)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 changed = sum(int(m.sum()) for m in opt.changed_masks.values())

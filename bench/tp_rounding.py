@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
 from unison.dist import tensor_parallel
-from unison.dist.tensor_parallel import init_tensor_parallel
+from unison.dist.tensor_parallel import local_forward
+from unison.dist.topology import Topology, init_topology
 from unison.engine import Engine, EngineConfig, SamplingParams
 from unison.models import load_policy
 from unison.rollout.sample import Sample
@@ -39,22 +39,21 @@ def bf16_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x @ weight.T
 
 
-def generate(model, prompts: list[list[int]], new: int, device: str) -> list[Sample]:
+def generate(model, prompts: list[list[int]], new: int, topology: Topology | None = None) -> list[Sample]:
     engine = Engine(model, EngineConfig(num_blocks=len(prompts) * GROUP * (-(-(len(prompts[0]) + new) // 16) + 1),
-                                        block_size=16, max_num_seqs=len(prompts) * GROUP, seed=0))
+                                        block_size=16, max_num_seqs=len(prompts) * GROUP, seed=0), topology=topology)
     done = engine.generate(prompts, SamplingParams(max_new_tokens=new, n=GROUP, seed=7, stop_token_ids=()))
     return [Sample(tuple(c.prompt_ids), tuple(c.token_ids), tuple(c.logprobs), tuple(c.weight_versions), 0.0, 0.0)
             for c in done]
 
 
 @torch.no_grad()
-def mean_diff(model, samples: list[Sample]) -> float:
+def mean_diff(model, samples: list[Sample], topology: Topology | None = None) -> float:
     """Mean |trainer logprob - engine logprob| over every completion token (the ``mismatch/logprob_diff_mean``
     metric), the trainer's packed forward on ``model``."""
     total, count = 0.0, 0
     device = next(model.parameters()).device
-    local_forward = getattr(model, "unison_local_forward", None)  # shards: as train_step runs them
-    with local_forward(train=True) if local_forward is not None else nullcontext():
+    with local_forward(model, topology)(train=True):  # shards: as train_step runs them
         for row in pack_samples(samples, 8192, 0):
             row = row.to(device)
             logprobs, _ = policy_logprobs(model, row)
@@ -72,23 +71,24 @@ def main():
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    tp, _ = init_tensor_parallel(2, 600.0, args.device)
-    device = str(tp.device)
+    topology = init_topology(2, 600.0, args.device)
+    device = str(topology.device)
     whole, _ = load_policy(args.checkpoint, dtype=torch.bfloat16, device=device)
-    shards, _ = load_policy(args.checkpoint, dtype=torch.bfloat16, device=device, tp_mesh=tp.mesh)
+    shards, _ = load_policy(args.checkpoint, dtype=torch.bfloat16, device=device, topology=topology)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, whole.config.vocab_size, (args.prompt_tokens,), generator=g).tolist()
                for _ in range(args.prompts)]
-    one = generate(whole, prompts, args.new, device)
+    one = generate(whole, prompts, args.new)
     result = {"device": args.device, "samples": len(one), "new_tokens": args.new,
               "one_process": mean_diff(whole, one)}
     fp32_product = tensor_parallel._fp32_product
     for name, product in (("tp2_bf16_partials", bf16_product), ("tp2_fp32_partials", fp32_product)):
         tensor_parallel._fp32_product = product  # the engine's and the trainer's row-wise projections alike
-        samples = generate(shards, prompts, args.new, device)
-        result[name] = {"tp_trainer": mean_diff(shards, samples), "whole_model_trainer": mean_diff(whole, samples)}
+        samples = generate(shards, prompts, args.new, topology)
+        result[name] = {"tp_trainer": mean_diff(shards, samples, topology),
+                        "whole_model_trainer": mean_diff(whole, samples)}
     tensor_parallel._fp32_product = fp32_product
-    if tp.rank == 0:
+    if topology.is_main:
         print(json.dumps(result, indent=2))
         if args.json:
             with open(args.json, "w") as f:

@@ -6,6 +6,8 @@ from typing import Literal
 import pytest
 
 from unison.config import ConfigError, config_fields, config_to_dict, dump_config, load_config
+from unison.serve import ServeConfig
+from unison.train.config import TrainConfig
 
 
 @dataclass
@@ -181,7 +183,7 @@ def test_config_fields_lists_every_key_with_default_and_doc():
 def test_auto_model_dtype_on_every_cuda_device():
     """Under torchrun the device is ``cuda:<local rank>``: auto must still mean bf16 there (it once meant fp32,
     which the GPU's varlen attention refuses)."""
-    from unison.train.loop import model_dtype
+    from unison.models import model_dtype
 
     assert [model_dtype("auto", d) for d in ("cuda", "cuda:1", "cpu")] == ["bfloat16", "bfloat16", "float32"]
     assert model_dtype("float32", "cuda:0") == "float32"
@@ -198,3 +200,13 @@ def test_dist_errors_name_the_key(override, message):
 
     with pytest.raises(ValueError, match=message):
         load_config(TrainConfig, None, [override])
+
+
+@pytest.mark.parametrize("cls, override, message", [
+    (TrainConfig, "--sync.url=/shared/dir", "'sync.url' is now sync.fsspec.url"),
+    (ServeConfig, "--sync_url=/shared/dir", "'sync_url' is now --sync.transport=fsspec"),
+    (ServeConfig, "--sync_rank=1", "'sync_rank' is now --sync.dist.rank"),
+])
+def test_a_renamed_key_names_its_new_name(cls, override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(cls, None, [override])

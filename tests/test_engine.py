@@ -64,7 +64,7 @@ def test_decodes_from_the_live_parameters():
     loss = model(torch.tensor(prompt)).logits.logsumexp(-1).mean()
     loss.backward()
     opt.step()
-    engine.on_weights_updated()
+    engine.weights_updated(engine.version + 1)
     after = engine.generate(prompt, params)[0]
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs  # no copy anywhere
     assert max_logprob_diff(model, [after]) < 1e-4
@@ -87,7 +87,7 @@ def test_prefix_cache_shared_within_group_and_never_stale():
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.5)
-    engine.on_weights_updated()
+    engine.weights_updated(engine.version + 1)
     done = engine.generate(prompt, SamplingParams(max_new_tokens=6, n=2, stop_token_ids=NO_STOP))
     assert max_logprob_diff(model, done) < 1e-4
 
@@ -123,7 +123,7 @@ def test_inflight_requests_across_an_update(policy):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    engine.on_weights_updated()
+    engine.weights_updated(engine.version + 1)
     done = engine.generate([], params) + [c for _ in range(40) for c in engine.step()]
     assert len(done) == 2
     new = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -193,7 +193,7 @@ def test_abort_returns_an_abort_completion():
     ids = engine.submit(random_prompts([5])[0], SamplingParams(max_new_tokens=50, n=2, stop_token_ids=NO_STOP))
     engine.step()
     engine.step()
-    assert engine.abort(ids[0]) and not engine.abort("nope")
+    assert engine.abort([ids[0]]) and not engine.abort(["nope"])
     done = []
     while engine.num_unfinished or not done:
         done += engine.step()

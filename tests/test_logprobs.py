@@ -8,6 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import unison.engine.attention  # noqa: F401  (registers attn_implementation="unison")
 from unison.engine.attention import NO_MASK
+from unison.engine.lm_head import IDENTITY, HeadTransform
 from unison.rollout.sample import Sample
 from unison.train.logprobs import chunked_logprobs, full_logprobs_reference, policy_logprobs
 from unison.train.packing import pack_samples
@@ -15,8 +16,13 @@ from unison.train.packing import pack_samples
 TEMPERATURE = 0.7
 
 
+# Granite's logits_scaling = 4, Gemma2's final softcap (3 saturates logits of std ~4), and both (MuseSpark).
+TRANSFORMS = [IDENTITY, HeadTransform(scale=0.25), HeadTransform(softcap=3.0), HeadTransform(scale=0.5, softcap=3.0)]
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS, ids=["plain", "scale", "softcap", "scale+softcap"])
 @pytest.mark.parametrize("chunk_size", [1, 8, 64])
-def test_chunked_equals_reference_with_grads(chunk_size):
+def test_chunked_equals_reference_with_grads(chunk_size, transform):
     torch.manual_seed(0)
     m, h, v = 37, 16, 50  # chunk 8 does not divide 37; chunk 64 is one chunk
     hidden = torch.randn(m, h, requires_grad=True)
@@ -24,11 +30,12 @@ def test_chunked_equals_reference_with_grads(chunk_size):
     targets = torch.randint(0, v, (m,))
     upstream = torch.randn(m)
 
-    logp, entropy = chunked_logprobs(hidden, weight, targets, TEMPERATURE, chunk_size, with_entropy=True)
+    logp, entropy = chunked_logprobs(hidden, weight, targets, TEMPERATURE, chunk_size, with_entropy=True,
+                                     transform=transform)
     (logp * upstream).sum().backward()
     grads = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
-    ref_logp, ref_entropy = full_logprobs_reference(hidden, weight, targets, TEMPERATURE)
+    ref_logp, ref_entropy = full_logprobs_reference(hidden, weight, targets, TEMPERATURE, transform)
     (ref_logp * upstream).sum().backward()
 
     assert logp.dtype == entropy.dtype == torch.float32 and logp.shape == entropy.shape == (m,)
@@ -38,6 +45,14 @@ def test_chunked_equals_reference_with_grads(chunk_size):
     torch.testing.assert_close(grads[1], weight.grad, rtol=1e-5, atol=1e-5)
     assert not entropy.requires_grad  # documented as detached
     assert grads[1].abs().max() > 0.1  # a real gradient, not two zeros agreeing
+    if not transform.is_identity:  # ... and the transform really changes the logprobs
+        assert (logp - full_logprobs_reference(hidden, weight, targets, TEMPERATURE)[0]).abs().max() > 0.1
+
+
+def test_identity_transform_adds_no_operation():
+    x = torch.randn(3, 5)
+    assert IDENTITY.apply_(x) is x and IDENTITY.is_identity
+    torch.testing.assert_close(HeadTransform(scale=0.5).apply_(x.clone(), inv_temp=2.0), x, rtol=0, atol=0)
 
 
 def test_temperature_changes_logprobs():

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import threading
 
 import pytest
 from conftest import tiny_llama, tiny_tokenizer
 
-from unison.engine import Engine, EngineConfig
+from unison.engine import Engine, EngineConfig, SamplingParams
+from unison.rollout import remote
 from unison.rollout.advantage import group_advantages
 from unison.rollout.loop import RolloutConfig, RolloutLoop
 from unison.rollout.rewards import RewardScorer
@@ -23,12 +26,12 @@ def rows(n=6):
             for i in range(n)]
 
 
-def make_loop(reward_fns, max_sample_tokens=None, **cfg):
+def make_loop(reward_fns, max_sample_tokens=None, scorer=None, agreement=None, **cfg):
     engine = Engine(tiny_llama(), EngineConfig(num_blocks=256, block_size=4, seed=0))
     base = dict(group_size=4, samples_per_step=8, max_concurrent_rollouts=8, max_new_tokens=10)
     base.update(cfg)
     return RolloutLoop(engine, tiny_tokenizer(), rows(), reward_fns, RolloutConfig(**base), stop_token_ids=[2],
-                       max_sample_tokens=max_sample_tokens)
+                       max_sample_tokens=max_sample_tokens, scorer=scorer, agreement=agreement)
 
 
 def test_batches_have_group_advantages_and_engine_logprobs():
@@ -109,10 +112,67 @@ def test_stale_samples_are_dropped():
     loop = make_loop([(count_w7, 1.0)], max_staleness=0, samples_per_step=4, max_concurrent_rollouts=16)
     first, _ = loop.next_batch(trainer_version=0)
     assert all(s.oldest_version == 0 for s in first)
-    loop.engine.on_weights_updated()
+    loop.engine.weights_updated(1)
     batch, metrics = loop.next_batch(trainer_version=1)
     assert all(s.oldest_version == 1 for s in batch)
     assert metrics["rollout/stale_samples"] > 0 and metrics["rollout/staleness_max"] == 0
+
+
+class OpaqueIds:
+    """The engine under other ids, with no structure to parse (a remote engine may spell its ids any way)."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.ids = engine, {}
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def submit(self, prompt_ids, params=None):
+        ids = self.engine.submit(prompt_ids, params)
+        self.ids.update({rid: f"#{len(self.ids) + i}" for i, rid in enumerate(ids)})
+        return [self.ids[rid] for rid in ids]
+
+    def step(self):
+        return [dataclasses.replace(c, request_id=self.ids[c.request_id], group_id=f"group {c.group_id}")
+                for c in self.engine.step()]
+
+
+def test_groups_are_the_ids_the_engine_gives_never_parsed_out_of_request_ids():
+    loop = make_loop([(count_w7, 1.0)])
+    loop.engine = OpaqueIds(loop.engine)
+    batch, _ = loop.next_batch(trainer_version=0)
+    groups = {}
+    for s in batch:
+        groups.setdefault(s.group_id, []).append(s.advantage)
+    assert all(g.startswith("group ") for g in groups) and all(len(a) <= 4 for a in groups.values())
+    assert all(abs(sum(a)) < 1e-6 for a in groups.values() if len(a) == 4)
+
+
+def test_remote_engine_aborts_a_queued_group_unsent_and_drops_aborted_samples_of_a_sent_one(monkeypatch):
+    sent, release = [], threading.Event()
+
+    def post_json(url, payload, timeout, token):
+        sent.append(payload["prompt"])
+        release.wait(10)
+        return {"choices": [{"token_ids": [5], "logprobs": [-0.5], "finish_reason": "stop", "weight_versions": [3]}]
+                * payload["n"]}
+
+    monkeypatch.setattr(remote, "post_json", post_json)
+    engine = remote.RemoteEngine(["http://server"], max_parallel=1)
+    first = engine.submit([1, 2], SamplingParams(n=2))
+    queued = engine.submit([3], SamplingParams(n=2))  # behind the first on the one worker thread
+    assert engine.abort([first[1], *queued, "unknown"]) == 3 and engine.num_unfinished == 1
+    aborted = engine.step()
+    assert {(c.request_id, c.group_id, c.finish_reason, len(c.token_ids)) for c in aborted} == \
+        {(first[1], "r0", "abort", 0), (queued[0], "r1", "abort", 0), (queued[1], "r1", "abort", 0)}
+    release.set()
+    done = [c for _ in range(100) if engine.num_unfinished for c in engine.step(wait_s=0.1)]
+    assert [(c.request_id, c.group_id, c.token_ids) for c in done] == [(first[0], "r0", [5])] and sent == [[1, 2]]
+    with engine.lend() as lent:
+        assert lent == 0
+    engine.weights_updated(4)
+    assert engine.version == 4
+    engine.close()
 
 
 def test_group_advantages():
@@ -181,7 +241,7 @@ def test_no_batch_error_names_the_reward_function_that_never_scored(fn, why):
     n = loop.counts["missing_reward"]
     assert str(error.value).startswith(f"two passes over the prompts gave no batch: reward function {fn.__name__} "
                                        f"failed on {n} of {n} completions (last: {why}); ")
-    assert n >= 24 and loop.local_scorer.missing[fn.__name__] == loop.local_scorer.scored == n
+    assert n >= 24 and loop.scorer.missing[fn.__name__] == loop.scorer.scored == n
 
 
 def test_no_batch_error_says_when_no_reward_function_applied():
@@ -200,7 +260,7 @@ def test_reward_failures_per_function_are_step_metrics():
     loop = make_loop([(count_w7, 1.0), (fails_on_w9, 1.0)])
     _, metrics = loop.next_batch(trainer_version=0)
     assert metrics["reward/failed/count_w7"] == 0.0
-    assert metrics["reward/failed/fails_on_w9"] == loop.local_scorer.missing["fails_on_w9"] > 0
+    assert metrics["reward/failed/fails_on_w9"] == loop.scorer.missing["fails_on_w9"] > 0
 
 
 def test_no_batch_error_on_a_rank_that_does_not_score_points_to_the_one_that_does():
@@ -208,7 +268,9 @@ def test_no_batch_error_on_a_rank_that_does_not_score_points_to_the_one_that_doe
         def score(self, prompts, completions, columns):
             return [(None, {})] * len(completions)
 
-    loop = make_loop([(count_w7, 1.0)])
-    loop.scorer = OtherRanksScores()
+        def missing_report(self):
+            return None  # rank 0 holds the report
+
+    loop = make_loop([(count_w7, 1.0)], scorer=OtherRanksScores())
     with pytest.raises(RuntimeError, match="no batch: the rewards were scored on another rank, whose error names"):
         loop.next_batch(trainer_version=0)

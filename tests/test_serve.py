@@ -16,7 +16,7 @@ from test_train_e2e import run_cfg, task
 from unison.engine import Engine, EngineConfig
 from unison.serve import GenerationServer, make_handler
 from unison.sync import Receiver, anchor_patch, encode, sparse_patch
-from unison.sync.transport import DirectoryPublisher
+from unison.sync.transports import DirectorySender, DirectorySource
 from unison.train.optimizer import MasterAdamW, OptimConfig
 
 
@@ -90,10 +90,11 @@ def test_train_with_remote_generation(transport, tmp_path, model_dir):
 
     model = tiny_llama(seed=1)
     directory = str(tmp_path / "patches")
-    server = GenerationServer(Engine(model, EngineConfig(num_blocks=256, block_size=8, seed=0)),
-                              Receiver(dict(model.named_parameters())), directory if transport == "fsspec" else "")
+    receiver = Receiver(dict(model.named_parameters()))
     if transport == "fsspec":
-        DirectoryPublisher(directory)  # the directory exists before the server polls it
+        DirectorySender(directory)  # the directory exists before the server polls it
+    server = GenerationServer(Engine(model, EngineConfig(num_blocks=256, block_size=8, seed=0)), receiver,
+                              DirectorySource(directory, receiver) if transport == "fsspec" else None)
     server.start()
     http = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(server, timeout=60))
     threading.Thread(target=http.serve_forever, daemon=True).start()
@@ -101,7 +102,7 @@ def test_train_with_remote_generation(transport, tmp_path, model_dir):
     try:
         out = tmp_path / "run"
         train(run_cfg(model_dir, out, "--optim.lr=1e-3", "--sync.mode=sparse", f"--sync.transport={transport}",
-                      f"--sync.servers=[{url}]", f"--sync.url={directory}"), task())
+                      f"--sync.servers=[{url}]", f"--sync.fsspec.url={directory}"), task())
     finally:
         http.shutdown()
         server.stop()
@@ -109,7 +110,7 @@ def test_train_with_remote_generation(transport, tmp_path, model_dir):
     assert all(0 < r["sync/elements_frac"] <= 1 and r["sync/bytes"] > 0 for r in records)
     assert all(r["reward/mean"] is not None for r in records)
     if transport == "fsspec" and server.receiver.version < 3:  # the last patch, at the server's next poll
-        server.subscriber.poll()
+        server.source.poll()
     assert server.receiver.version == 3 and server.receiver.counts["rejected"] == 0
     trained = load_file(str(out / "checkpoint" / "model.safetensors"))
     served = dict(model.named_parameters())
@@ -141,7 +142,8 @@ def test_train_with_a_served_process_over_torch_distributed(tmp_path, model_dir)
     http_port, dist_port = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "unison", "serve", f"--model.name_or_path={other}",
                              f"--port={http_port}", "--engine.num_blocks=256", "--engine.block_size=8",
-                             f"--sync_dist=tcp://127.0.0.1:{dist_port}", "--sync_rank=1", "--sync_world_size=2"],
+                             "--sync.transport=dist", f"--sync.dist.init_method=tcp://127.0.0.1:{dist_port}",
+                             "--sync.dist.rank=1", "--sync.dist.world_size=2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{http_port}"
@@ -154,7 +156,7 @@ def test_train_with_a_served_process_over_torch_distributed(tmp_path, model_dir)
                 time.sleep(0.1)
         out = tmp_path / "run"
         train(run_cfg(model_dir, out, "--optim.lr=1e-3", "--sync.mode=sparse", "--sync.transport=dist",
-                      f"--sync.servers=[{url}]", f"--sync.url=tcp://127.0.0.1:{dist_port}"), task())
+                      f"--sync.servers=[{url}]", f"--sync.dist.init_method=tcp://127.0.0.1:{dist_port}"), task())
         status, version = call(url, "/version")
         status, served = call(url, "/checksums")
     finally:

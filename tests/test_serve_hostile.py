@@ -135,7 +135,7 @@ def test_serve_refuses_a_public_host_without_a_token_before_loading_the_model(mo
 def test_a_server_on_any_gpu_loads_the_trainers_dtype(device, monkeypatch):
     """dtype=auto on cuda:1 resolved to float32 (serve compared the device with "cuda"), so every bf16 patch and
     anchor from the trainer failed its dtype check on a server on a second GPU."""
-    import unison.models
+    import unison.serve
 
     loaded = {}
 
@@ -146,7 +146,7 @@ def test_a_server_on_any_gpu_loads_the_trainers_dtype(device, monkeypatch):
         loaded.update(dtype=dtype, device=device)
         raise Loaded
 
-    monkeypatch.setattr(unison.models, "load_policy", fake_load)
+    monkeypatch.setattr(unison.serve, "load_policy", fake_load)
     with pytest.raises(Loaded):
         serve(ServeConfig(model=dataclasses.replace(ServeConfig().model, device=device)))
     assert loaded == {"dtype": torch.bfloat16, "device": device}

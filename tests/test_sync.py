@@ -11,7 +11,7 @@ from conftest import tiny_llama
 from unison.sync import Framed, PatchError, Receiver, anchor_patch, apply, checksum, decode, encode, frame, sparse_patch
 from unison.sync.codec import _decode_indices, _encode_indices
 from unison.sync.masks import adamw_inversion_mask
-from unison.sync.transport import DirectoryPublisher, DirectorySubscriber
+from unison.sync.transports import DirectorySender, DirectorySource
 from unison.train.optimizer import MasterAdamW, OptimConfig
 
 
@@ -147,8 +147,8 @@ def test_directory_channel_with_faults(tmp_path):
     subscriber ask for an anchor; the publisher answers at its next sync; the copy ends bit-identical."""
     model, copy, opt = trainer_and_copy()
     url = str(tmp_path / "sync")
-    pub = DirectoryPublisher(url)
-    sub = DirectorySubscriber(url, Receiver(state(copy)))
+    pub = DirectorySender(url)
+    sub = DirectorySource(url, Receiver(state(copy)))
     pub.publish(encode(anchor_patch(state(model), 0)), 0, anchor=True)
     assert sub.poll() == 1 and sub.receiver.version == 0
     for step in range(1, 8):
@@ -159,7 +159,7 @@ def test_directory_channel_with_faults(tmp_path):
         if step == 6:
             blob = blob[:-100]  # truncated in transit
         pub.publish(blob, step, anchor=False)
-        if pub.anchor_requested():
+        if pub.needs_anchor():
             pub.publish(encode(anchor_patch(state(model), step)), step, anchor=True)
         sub.poll()
     assert sub.receiver.counts["rejected"] == 2 and sub.receiver.counts["anchors"] == 3

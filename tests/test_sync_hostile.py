@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import save as st_save
 
 from unison.config import InputError
-from unison.sync import Framed, Receiver, anchor_patch, decode, encode, frame, sparse_patch, transport
+from unison.sync import Framed, Receiver, anchor_patch, decode, encode, frame, sparse_patch
 from unison.sync.codec import _contents
 from unison.sync.publisher import SyncConfig, WeightPublisher
-from unison.sync.transport import DirectoryPublisher, DirectorySubscriber
+from unison.sync.transports import DirectorySender, DirectorySource, FsspecConfig, directory
 
 
 def weights(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -208,7 +208,7 @@ def test_random_corruption_never_escapes_and_never_half_applies():
 def published(tmp_path, versions=(0,)):
     trainer = weights()
     url = str(tmp_path / "sync")
-    pub = DirectoryPublisher(url)
+    pub = DirectorySender(url)
     pub.publish(encode(anchor_patch(trainer, 0)), 0, anchor=True)
     for v in versions[1:]:
         pub.publish(encode(sparse_patch(trainer, step(trainer, v), v - 1, v)), v, anchor=False)
@@ -219,13 +219,13 @@ def test_a_folder_named_like_a_patch_is_skipped_with_one_warning(tmp_path, caplo
     trainer, url, pub = published(tmp_path, versions=(0, 1))
     (tmp_path / "sync" / "0000000002.patch").mkdir()
     (tmp_path / "sync" / "requests" / "a-folder").mkdir()
-    sub = DirectorySubscriber(url, Receiver(weights(seed=1)))
-    with caplog.at_level(logging.WARNING, logger="unison.sync.transport"):
+    sub = DirectorySource(url, Receiver(weights(seed=1)))
+    with caplog.at_level(logging.WARNING, logger="unison.sync.transports.directory"):
         for _ in range(20):
             sub.poll()
     assert sub.receiver.version == 1 and bits_equal(sub.receiver.params, trainer)
     assert [r.getMessage().split()[1].rsplit("/", 1)[-1] for r in caplog.records] == ["0000000002.patch"]
-    assert not pub.anchor_requested()  # a folder under requests/ is not a request
+    assert not pub.needs_anchor()  # a folder under requests/ is not a request
     for v in range(3, 20):  # the prune passes over the folder
         pub.publish(encode(anchor_patch(trainer, v)), v, anchor=True)
     assert (tmp_path / "sync" / "0000000002.patch").is_dir()
@@ -234,7 +234,7 @@ def test_a_folder_named_like_a_patch_is_skipped_with_one_warning(tmp_path, caplo
 
 def test_an_unreadable_patch_file_is_retried_not_refused_for_good(tmp_path, caplog, monkeypatch):
     trainer, url, pub = published(tmp_path, versions=(0, 1))
-    sub = DirectorySubscriber(url, Receiver(weights(seed=1)))
+    sub = DirectorySource(url, Receiver(weights(seed=1)))
     real_open, blocked = sub.fs.open, [True]
 
     def flaky_open(path, *args, **kwargs):
@@ -243,7 +243,7 @@ def test_an_unreadable_patch_file_is_retried_not_refused_for_good(tmp_path, capl
         return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr(sub.fs, "open", flaky_open)  # fsspec shares the instance: undone after the test
-    with caplog.at_level(logging.WARNING, logger="unison.sync.transport"):
+    with caplog.at_level(logging.WARNING, logger="unison.sync.transports.directory"):
         for _ in range(5):
             sub.poll()
     assert sub.receiver.version == 0 and sub.receiver.counts["rejected"] == 0
@@ -254,28 +254,28 @@ def test_an_unreadable_patch_file_is_retried_not_refused_for_good(tmp_path, capl
 
 def test_a_waiting_server_asks_for_an_anchor_at_most_every_few_seconds(tmp_path, monkeypatch):
     url = str(tmp_path / "sync")
-    pub = DirectoryPublisher(url)
-    sub = DirectorySubscriber(url, Receiver(weights()))  # asks at most every 5 s by default
+    pub = DirectorySender(url)
+    sub = DirectorySource(url, Receiver(weights()))  # asks at most every 5 s by default
     sub.poll()
-    assert pub.anchor_requested()  # consumed
+    assert pub.needs_anchor()  # consumed
     for _ in range(50):
         sub.poll()
-    assert not pub.anchor_requested()  # not rewritten 50 times within the 5 s
+    assert not pub.needs_anchor()  # not rewritten 50 times within the 5 s
     trainer = weights()
     pub.publish(encode(anchor_patch(trainer, 0)), 0, anchor=True)
     pub.publish(encode(sparse_patch(trainer, step(trainer, 2), 1, 2)), 2, anchor=False)  # 0 -> 1 went missing
     sub.poll()
-    assert sub.receiver.version == 0 and pub.anchor_requested()  # another version reported: asked at once
+    assert sub.receiver.version == 0 and pub.needs_anchor()  # another version reported: asked at once
     later = time.monotonic() + 5
-    monkeypatch.setattr(transport.time, "monotonic", lambda: later)
+    monkeypatch.setattr(directory.time, "monotonic", lambda: later)
     sub.poll()
-    assert pub.anchor_requested()  # and again once the 5 s are up
+    assert pub.needs_anchor()  # and again once the 5 s are up
 
 
 def test_a_refused_file_is_read_once(tmp_path):
     trainer, url, pub = published(tmp_path)
     pub.publish(b"garbage", 1, anchor=False)
-    sub = DirectorySubscriber(url, Receiver(weights(seed=1)))
+    sub = DirectorySource(url, Receiver(weights(seed=1)))
     for _ in range(10):
         sub.poll()
     assert sub.receiver.counts["rejected"] == 1 and sub.wants_anchor and sub.receiver.version == 0
@@ -285,17 +285,49 @@ def test_a_refused_file_is_read_once(tmp_path):
 
 def test_a_restarted_trainer_is_followed_through_the_directory(tmp_path):
     first, url, _ = published(tmp_path, versions=(0, 1, 2, 3))
-    sub = DirectorySubscriber(url, Receiver(weights(seed=1)))
+    sub = DirectorySource(url, Receiver(weights(seed=1)))
     sub.poll()
     assert sub.receiver.version == 3 and bits_equal(sub.receiver.params, first)
     second = weights(seed=5)  # the run started again, from other weights, at version 0
-    pub = DirectoryPublisher(url)
+    pub = DirectorySender(url)
     pub.publish(encode(anchor_patch(second, 0, restart=True)), 0, anchor=True, restart=True)
     assert sorted(p.name for p in (tmp_path / "sync").glob("0*")) == ["0000000000.anchor"]  # the old run's gone
     assert sub.poll() == 1 and sub.receiver.version == 0 and bits_equal(sub.receiver.params, second)
     pub.publish(encode(sparse_patch(second, step(second, 1), 0, 1)), 1, anchor=False)
     assert sub.poll() == 1 and sub.receiver.version == 1 and bits_equal(sub.receiver.params, second)
     assert sub.poll() == 0 and sub.receiver.counts["anchors"] == 2  # the restart anchor is applied once
+
+
+def test_the_publisher_answers_a_servers_request_through_the_directory(tmp_path):
+    """The WeightPublisher over sync.transport=fsspec: a server's request gets an anchor at the next sync, and a sync
+    that is an anchor already answers it without a second one."""
+    url = str(tmp_path / "sync")
+    params = weights()
+    publisher = WeightPublisher(SyncConfig(mode="sparse", transport="fsspec", servers=["http://unused"],
+                                           fsspec=FsspecConfig(url)), params)
+    sub = DirectorySource(url, Receiver(weights(seed=1)))
+    assert publisher.anchor(version=0)["sync/anchors"] == 0
+    sub.poll()
+    assert sub.receiver.version == 0 and bits_equal(sub.receiver.params, params)
+    publisher.after_step(1, step(params, 1))
+    (tmp_path / "sync" / "0000000001.patch").unlink()  # lost: the server asks for an anchor
+    publisher.after_step(2, step(params, 2))
+    sub.poll()
+    assert sub.wants_anchor and sub.receiver.version == 0
+    assert publisher.after_step(3, step(params, 3))["sync/anchors"] == 1
+    assert sub.poll() == 1 and sub.receiver.version == 3 and bits_equal(sub.receiver.params, params)
+    (tmp_path / "sync" / "requests" / "server").write_text("3")  # a request the next anchor answers
+    publisher.cfg.mode = "full"
+    assert publisher.after_step(4, step(params, 4))["sync/anchors"] == 0
+    assert not list((tmp_path / "sync" / "requests").iterdir())  # consumed
+
+
+def test_dist_sync_needs_its_address():  # (the old sync.url key: tests/test_config.py)
+    from unison.config import ConfigError, load_config
+    from unison.train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"sync\.transport=dist needs sync\.dist\.init_method"):
+        load_config(TrainConfig, None, ["--sync.mode=sparse", "--sync.transport=dist", "--sync.servers=[http://a]"])
 
 
 # The trainer over HTTP

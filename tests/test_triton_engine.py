@@ -18,20 +18,28 @@ from unison.engine.triton_attention import num_splits, paged_decode  # noqa: E40
 from unison.engine.triton_sampler import FusedSampler, fused_sample  # noqa: E402
 
 
-def reference_decode(q, k_pool, v_pool, tables, context_lens, block_size, scale, window=None):
-    """Each sequence's context gathered position by position, fp64 softmax."""
+def reference_decode(q, k_pool, v_pool, tables, context_lens, block_size, scale, window=None, sinks=None,
+                     softcap=None):
+    """Each sequence's context gathered position by position, fp64 softmax (with the sink logit of each head as
+    one more column, dropped after the softmax; scores softcapped first)."""
     out = []
     group = q.shape[1] // k_pool.shape[1]
     for b in range(q.shape[0]):
         length = int(context_lens[b])
         pos = torch.arange(length)
         slots = tables[b, pos // block_size].long() * block_size + pos % block_size
-        k = k_pool[slots].double().repeat_interleave(group, 1)  # (L, H, D)
-        v = v_pool[slots].double().repeat_interleave(group, 1)
+        k = k_pool[slots].double().repeat_interleave(group, 1)  # (L, H, Dk)
+        v = v_pool[slots].double().repeat_interleave(group, 1)  # (L, H, Dv)
         s = torch.einsum("hd,lhd->hl", q[b].double(), k) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
         if window is not None:
             s[:, pos <= length - 1 - window] = float("-inf")
-        out.append(torch.einsum("hl,lhd->hd", s.softmax(-1), v))
+        if sinks is not None:
+            p = torch.cat([s, sinks.double()[:, None]], -1).softmax(-1)[:, :-1]
+        else:
+            p = s.softmax(-1)
+        out.append(torch.einsum("hl,lhd->hd", p, v))
     return torch.stack(out)
 
 
@@ -56,6 +64,32 @@ def test_decode_kernel_matches_reference(heads, kv_heads, head_dim, block_size, 
     rel = ((out.double() - ref).norm() / ref.norm()).item()
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert rel < (1e-6 if dtype == torch.float32 else 5e-3)
+
+
+@pytest.mark.parametrize("k_dim,v_dim,sinks,softcap,splits,window,dtype", [
+    (24, 12, True, None, 1, None, torch.float32),  # MLA widths (keys qk_nope + qk_rope, values v_head_dim), sinks
+    (24, 12, True, None, 3, 5, torch.float32),  # ... split, with a window
+    (16, 16, True, None, 2, None, torch.bfloat16),
+    (16, 16, False, 1.5, 1, None, torch.float32),  # softcapping
+    (32, 32, True, 2.0, 4, 7, torch.float32),  # both, split, windowed
+])
+def test_decode_kernel_with_sinks_softcap_and_mla_widths(k_dim, v_dim, sinks, softcap, splits, window, dtype):
+    g = torch.Generator().manual_seed(k_dim + v_dim + splits)
+    heads, kv_heads, block_size, blocks, batch = 4, 2, 4, 24, 4
+    k_pool = torch.randn(blocks * block_size, kv_heads, k_dim, generator=g).to(dtype)
+    v_pool = torch.randn(blocks * block_size, kv_heads, v_dim, generator=g).to(dtype)
+    q = (2 * torch.randn(batch, heads, k_dim, generator=g)).to(dtype)  # scores of a few units: the cap bites
+    sink = (3 * torch.randn(heads, generator=g)).to(dtype) if sinks else None
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:8] for _ in range(batch)]).int()
+    context = torch.tensor([1, block_size, 5 * block_size - 1, 8 * block_size], dtype=torch.int32)
+    out = paged_decode(q, k_pool, v_pool, tables, context, block_size, k_dim**-0.5, window, splits=splits,
+                       block_n=8, sinks=sink, softcap=softcap)
+    ref = reference_decode(q, k_pool, v_pool, tables, context, block_size, k_dim**-0.5, window, sink, softcap)
+    plain = reference_decode(q, k_pool, v_pool, tables, context, block_size, k_dim**-0.5, window)
+    assert out.shape == (batch, heads, v_dim) and out.dtype == dtype
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    assert rel < (1e-6 if dtype == torch.float32 else 5e-3)
+    assert ((plain - ref).norm() / ref.norm()).item() > 1e-2  # the features change the result
 
 
 def test_split_count_heuristic():
@@ -120,7 +154,7 @@ def test_runner_follows_in_place_updates():
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    engine.on_weights_updated()
+    engine.weights_updated(engine.version + 1)
     done = engine.generate(prompts, SamplingParams(max_new_tokens=10, stop_token_ids=()))
     assert max_logprob_diff(model, done) < 1e-4
 

@@ -116,3 +116,101 @@ def test_fused_sampler_parts_on_gpu(rows):
     torch.testing.assert_close(l1, l2, atol=2e-5, rtol=0)
     ref = torch.log_softmax(logits / torch.tensor([t or 1.0 for t in temps], device="cuda")[:, None], -1)
     torch.testing.assert_close(l2, ref.gather(1, t2[:, None]).squeeze(1), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("shape", ["gpt_oss", "mla", "gemma2"])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_kernel_sinks_mla_softcap_on_gpu(shape, splits):
+    """GptOss (64 heads over 8, sinks, window 128), DeepSeek-V3's MLA widths (keys 192, values 128, one query head
+    per KV head, sinks added to exercise the widths with them) and Gemma2 (head dim 256, softcap 50) at bf16."""
+    heads, kv_heads, k_dim, v_dim, window, softcap, sinks = {
+        "gpt_oss": (64, 8, 64, 64, 128, None, True), "mla": (16, 16, 192, 128, None, None, True),
+        "gemma2": (8, 4, 256, 256, None, 50.0, False)}[shape]
+    block_size, blocks, batch = 16, 256, 7
+    g = torch.Generator("cuda").manual_seed(11 + splits)
+    k_pool = torch.randn(blocks * block_size, kv_heads, k_dim, generator=g, device="cuda").bfloat16()
+    v_pool = torch.randn(blocks * block_size, kv_heads, v_dim, generator=g, device="cuda").bfloat16()
+    q = (3 * torch.randn(batch, heads, k_dim, generator=g, device="cuda")).bfloat16()
+    sink = (2 * torch.randn(heads, generator=g, device="cuda")).bfloat16() if sinks else None
+    tables = torch.stack([torch.randperm(blocks, generator=g, device="cuda")[:64] for _ in range(batch)]).int()
+    context = torch.tensor([1, 15, 16, 17, 257, 700, 1000], dtype=torch.int32, device="cuda")
+    out = torch.full((batch, heads, v_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
+    paged_decode(q, k_pool, v_pool, tables, context, block_size, k_dim**-0.5, window, splits=splits, out=out,
+                 sinks=sink, softcap=softcap)
+    ref = reference_decode(q.cpu(), k_pool.cpu(), v_pool.cpu(), tables.cpu(), context.cpu(), block_size,
+                           k_dim**-0.5, window, None if sink is None else sink.cpu(), softcap)
+    rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+    print(f"decode {shape} splits {splits}: relative error {rel:.2e}")
+    assert torch.isfinite(out).all() and rel < 5e-3
+
+
+def _floor_gap(fast, ref32, plain16):
+    """max |fast - ref32| and max |plain16 - ref32|: the bf16 floor is what plain bf16 math loses."""
+    return (fast.float() - ref32).abs().max().item(), (plain16.float() - ref32).abs().max().item()
+
+
+@pytest.mark.parametrize("k_dim,v_dim,window", [(64, 64, None), (64, 64, 32), (192, 128, None)])
+def test_packed_varlen_with_sinks_at_the_bf16_floor(k_dim, v_dim, window):
+    """Flash varlen with the sink correction (forward and the custom backward, GQA 4/2 or MLA widths) against
+    the fp32 eager math, next to the same eager math at bf16."""
+    from unison.engine.attention import varlen_causal
+
+    torch.manual_seed(0)
+    lengths = [100, 1, 257, 64]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    t, heads, kv_heads = sum(lengths), 4, (2 if k_dim == v_dim else 4)
+    base = [torch.randn(t, heads, k_dim, device="cuda"), torch.randn(t, kv_heads, k_dim, device="cuda"),
+            torch.randn(t, kv_heads, v_dim, device="cuda"), 2 * torch.randn(heads, device="cuda")]
+    probe = torch.randn(t, heads, v_dim, device="cuda")
+
+    def run(dtype, fast):
+        leaves = [x.detach().clone().to(dtype).requires_grad_() for x in base]
+        q, k, v, sinks = leaves
+        if fast:
+            out = varlen_causal(q, k, v, cu, max(lengths), k_dim**-0.5, window, sinks=sinks)
+        else:  # the per-segment eager math (what the CPU runs)
+            out = torch.cat([causal_attention_ref(q[a:b], k[a:b], v[a:b], k_dim**-0.5, window, sinks)
+                             for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)])
+        (out.float() * probe).sum().backward()
+        return out, [x.grad for x in leaves]
+
+    ref, ref_grads = run(torch.float32, False)
+    fast, fast_grads = run(torch.bfloat16, True)
+    plain, plain_grads = run(torch.bfloat16, False)
+    for name, a, r, p in [("out", fast, ref, plain)] + [
+            (n, a, r, p) for n, a, r, p in zip("qkvs", fast_grads, ref_grads, plain_grads, strict=True)]:
+        gap, floor = _floor_gap(a, r, p)
+        print(f"varlen sinks {k_dim}/{v_dim} window {window} {name}: flash {gap:.3e}, bf16 eager {floor:.3e}")
+        assert gap <= 2 * floor + 1e-3, name
+
+
+def causal_attention_ref(q, k, v, scale, window, sinks):
+    from unison.engine.attention import causal_attention
+
+    return causal_attention(q, k, v, scale, window, sinks=sinks)
+
+
+def test_chunks_with_sinks_and_mla_widths_match_reference():
+    """Multi-token chunks through flash varlen with sinks and keys 192 / values 128 wide, mixed with decode rows:
+    the fast backend equals the reference backend."""
+    torch.manual_seed(1)
+    block_size, heads, kv_heads, k_dim, v_dim = 16, 8, 8, 192, 128
+    k_pool = torch.randn(256 * block_size, kv_heads, k_dim, device="cuda", dtype=torch.bfloat16)
+    v_pool = torch.randn(256 * block_size, kv_heads, v_dim, device="cuda", dtype=torch.bfloat16)
+    sinks = 2 * torch.randn(heads, device="cuda", dtype=torch.bfloat16)
+    q_lens, ctx = [1, 37, 1, 16, 100], [50, 37, 301, 80, 130]
+    tables = [torch.randperm(256)[:20].tolist() for _ in ctx]
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], heads, k_dim, device="cuda", dtype=torch.bfloat16)
+    layout = StepLayout(starts, ctx, tables, torch.zeros(starts[-1], dtype=torch.int64, device="cuda"))
+    outs = []
+    for backend in (TorchPagedBackend(block_size, "cuda"),
+                    TritonPagedBackend(block_size, kv_heads, "cuda", torch.bfloat16)):
+        state = backend.prepare(layout)
+        outs.append(backend.attend(state, k_pool, v_pool, q, k_dim**-0.5, None, sinks=sinks).float())
+    assert state.chunk_rows is not None  # the chunks really went through varlen
+    rel = ((outs[0] - outs[1]).norm() / outs[0].norm()).item()
+    print(f"chunks sinks MLA widths: relative difference {rel:.2e}")
+    assert outs[1].shape == (starts[-1], heads, v_dim) and rel < 1e-2

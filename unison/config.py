@@ -369,6 +369,9 @@ def _field_default(f: dataclasses.Field, base: Any = None) -> Any:
 
 def _unknown_key(cls: type, prefix: str, name: str) -> str:
     key = prefix + name
+    renamed = getattr(cls, "renamed_keys", {}).get(name)  # a key a config section used to have
+    if renamed:
+        return f"'{key}' is now {renamed}"
     siblings = [prefix + f.name for f in dataclasses.fields(cls) if f.init]
     every = siblings + [f.key for f in config_fields(cls, prefix)]
     guess = [k for k in every if k.rsplit(".", 1)[-1] == name][:1]  # the right key in the wrong section

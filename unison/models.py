@@ -26,6 +26,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from unison.config import InvalidInputError, MissingInputError
+from unison.dist.tensor_parallel import parallelize
+from unison.dist.topology import Topology
 from unison.engine.attention import ATTN_NAME
 
 log = logging.getLogger(__name__)
@@ -87,11 +89,12 @@ def model_dtype(dtype: str, device: str) -> str:
 
 
 def load_policy(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = "auto",
-                device: str | torch.device = "cpu", tp_mesh=None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+                device: str | torch.device = "cpu", topology: Topology | None = None
+                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Return ``(model, tokenizer)``, the model on ``attn_implementation="unison"``, in eval mode.
 
-    ``dtype="auto"`` keeps the checkpoint's dtype (float32 for the converted GGUF models). ``tp_mesh`` (a 1-D
-    DeviceMesh) shards the model across its ranks by the model's tensor-parallel plan
+    ``dtype="auto"`` keeps the checkpoint's dtype (float32 for the converted GGUF models). A ``topology`` with
+    tensor parallelism shards the model across its tp ranks by the model's tensor-parallel plan
     (``unison.dist.tensor_parallel.parallelize``).
 
     >>> model, tok = load_policy()                       # doctest: +SKIP
@@ -102,9 +105,8 @@ def load_policy(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = "a
     kwargs = {"local_files_only": local_only}
     tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTN_NAME, **kwargs)
-    if tp_mesh is not None:
-        from .dist.tensor_parallel import parallelize
-        parallelize(model.to(device), tp_mesh)
+    if topology is not None and topology.tp is not None:
+        parallelize(model.to(device), topology.tp_mesh)
     model.to(device).eval()
     _check_tokenizer(tokenizer, model)
     return model, tokenizer

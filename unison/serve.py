@@ -1,6 +1,6 @@
 """`unison serve`: a generation server around the same Engine, for disaggregated rollouts.
 
-    unison serve --model.name_or_path=/path/to/model --port=8000 [--sync_url=/shared/dir]
+    unison serve --model.name_or_path=/path/to/model --port=8000 [--sync.transport=fsspec --sync.fsspec.url=/dir]
 
 HTTP API (JSON):
 - ``POST /v1/completions`` ``{"prompt": [token ids], "max_tokens": 64, "temperature": 1.0, "top_p": 1.0,
@@ -18,10 +18,11 @@ With a token (``--token`` or ``UNISON_SYNC_TOKEN``) every endpoint but ``GET /he
 binds only a loopback host. Bodies are capped (413, unread): completion requests at ``max_request_bytes``, weights at
 the largest patch the served model can have. Replies are strict JSON: a non-finite logprob is ``null``.
 
-One thread owns the engine: it admits queued requests, applies queued weight updates between engine steps (never
-during one), steps, and hands finished completions back to the waiting HTTP threads. With ``sync_url`` the same
-thread also polls that directory for patches. With ``sync_dist`` a second thread joins the trainer's process group
-(rank ``sync_rank``) and hands each broadcast patch to the engine thread, answering the trainer's need-anchor
+One thread owns the engine: it admits queued requests, applies weight updates between engine steps (never during
+one), steps, and hands finished completions back to the waiting HTTP threads. Updates come from the POSTs (the
+server's ``Inbox``) and from the source of ``--sync.transport`` (``unison.sync.transports``): with ``fsspec`` the
+engine thread also polls ``--sync.fsspec.url``; with ``dist`` a second thread joins the trainer's process group
+(``--sync.dist.*``) and hands each broadcast patch to the engine thread, answering the trainer's need-anchor
 all-reduce once it is applied.
 """
 
@@ -34,36 +35,35 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import torch
 
 from .config import ConfigError
-from .engine import Engine, EngineConfig, SamplingParams
-from .models import ModelConfig
+from .engine import Completion, Engine, EngineConfig, SamplingParams
+from .models import ModelConfig, load_policy, model_device, model_dtype
+from .parity import check_parity
 from .serve_request import RequestError, parse_completion_request, to_json
 from .sync import Receiver, checksum
 from .sync.auth import TOKEN_ENV, check_authorization, resolve_token
-from .sync.codec import Framed
-from .sync.transport import DirectorySubscriber
+from .sync.transports import Inbox, Source, SourceConfig, build_source
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class ServeConfig:
+    renamed_keys: ClassVar[dict[str, str]] = {
+        "sync_url": "--sync.transport=fsspec --sync.fsspec.url", "sync_dist": "--sync.transport=dist "
+        "--sync.dist.init_method", "sync_rank": "--sync.dist.rank", "sync_world_size": "--sync.dist.world_size"}
     model: ModelConfig = field(default_factory=ModelConfig)
     host: str = "127.0.0.1"
     port: int = 8000
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_blocks=4096, block_size=16))
-    sync_url: str = ""
-    """A directory (any fsspec URL) the trainer publishes patches to; empty: updates come by POST only."""
+    sync: SourceConfig = field(default_factory=SourceConfig)
+    """Where patches come from besides POST /v1/weights: the trainer's sync.transport and its settings."""
     synced: bool = False
     """Serve from the loaded weights as version 0 (true), or refuse completions until an anchor arrives."""
-    sync_dist: str = ""
-    """The trainer's process group (``tcp://host:port``, its sync.url with sync.transport=dist); empty: none."""
-    sync_rank: int = 1
-    """This server's rank in that group (the trainer is 0; servers 1 .. N, in the order of its sync.servers)."""
-    sync_world_size: int = 2
     token: str = ""
     """The shared secret every request but ``GET /health`` must carry as ``Authorization: Bearer <token>`` (the
     trainer's sync.token); empty: ``$UNISON_SYNC_TOKEN`` if set, else none, and then only a loopback host."""
@@ -80,34 +80,33 @@ class ServeConfig:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
 
 
+@dataclass(eq=False)
+class _Group:
+    """One completion request in the engine: the samples of one prompt, answered together in submission order."""
+
+    future: Future
+    request_ids: list[str]
+    done: dict[str, Completion] = field(default_factory=dict)
+
+
 class GenerationServer:
-    def __init__(self, engine: Engine, receiver: Receiver, sync_url: str = ""):
+    """The engine thread and what it serves. ``source``: where patches come from besides the POSTs that ``inbox``
+    takes (``unison.sync.transports.build_source``)."""
+
+    def __init__(self, engine: Engine, receiver: Receiver, source: Source | None = None):
         self.engine = engine
         self.receiver = receiver
-        self.subscriber = DirectorySubscriber(sync_url, receiver) if sync_url else None
+        self.inbox = Inbox(receiver)
+        self.source = source
+        self.sources: list[Source] = [self.inbox, *([source] if source is not None else [])]
         self.requests: queue.Queue = queue.Queue()
-        self.updates: queue.Queue = queue.Queue()
-        self.pending: dict[str, tuple[Future, list, int]] = {}  # request id -> (future, completions, expected)
+        self.checksum_requests: queue.Queue[Future] = queue.Queue()
+        self.pending: dict[str, _Group] = {}  # request id -> its group
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="unison-engine", daemon=True)
 
-    def start(self, dist_init: dict | None = None) -> None:
+    def start(self) -> None:
         self.thread.start()
-        if dist_init is not None:
-            threading.Thread(target=self._dist_loop, args=(dist_init,), name="unison-sync", daemon=True).start()
-
-    def _dist_loop(self, init: dict) -> None:
-        import torch.distributed as dist
-
-        from .sync.transport import DistChannel
-
-        cuda = self.engine.device.type == "cuda"
-        dist.init_process_group("nccl" if cuda else "gloo", **init)
-        channel = DistChannel(device=self.engine.device if cuda else "cpu")
-        while channel.receive(self.receiver, apply=lambda blob: self.update(blob).result()):
-            pass
-        dist.destroy_process_group()
-        log.info("the trainer closed the sync channel at version %d", self.receiver.version)
 
     def stop(self) -> None:
         self.stopped.set()
@@ -119,13 +118,9 @@ class GenerationServer:
         return future
 
     def checksums(self) -> Future:
+        """Each parameter's checksum, read between engine steps, never during an update."""
         future: Future = Future()
-        self.updates.put((None, future))
-        return future
-
-    def update(self, blob: bytes | Framed) -> Future:
-        future: Future = Future()
-        self.updates.put((blob, future))
+        self.checksum_requests.put(future)
         return future
 
     def _loop(self) -> None:
@@ -137,8 +132,8 @@ class GenerationServer:
                 self._fail_inflight(f"the engine failed: {type(e).__name__}: {e}")
 
     def _fail_inflight(self, reason: str) -> None:
-        for future, _, _ in self.pending.values():
-            future.set_exception(RuntimeError(reason))
+        for group in set(self.pending.values()):
+            group.future.set_exception(RuntimeError(reason))
         self.pending.clear()
         self.engine.abort_all()  # their completions come out of the next step and are dropped
 
@@ -149,46 +144,30 @@ class GenerationServer:
             self.stopped.wait(0.005)
             return
         for completion in self.engine.step():
-            group = completion.request_id.rsplit("-", 1)[0]
-            if group not in self.pending:  # aborted after a failure: its request was already answered
+            group = self.pending.pop(completion.request_id, None)
+            if group is None:  # aborted after a failure: its request was already answered
                 continue
-            future, done, expected = self.pending[group]
-            done.append(completion)
-            if len(done) == expected:
-                del self.pending[group]
-                future.set_result(sorted(done, key=lambda c: int(c.request_id.rsplit("-", 1)[1])))
+            group.done[completion.request_id] = completion
+            if len(group.done) == len(group.request_ids):
+                group.future.set_result([group.done[request_id] for request_id in group.request_ids])
 
     def _apply_updates(self) -> None:
-        changed, was_valid = False, self.receiver.weights_valid
-        while True:
-            try:
-                blob, future = self.updates.get_nowait()
-            except queue.Empty:
-                break
-            if blob is None:  # a checksum request: answered between engine steps, never during an update
-                future.set_result({name: checksum(p) for name, p in self.receiver.params.items()})
-                continue
-            try:
-                applied = self.receiver.receive(blob)
-            except Exception as e:  # the receiver's own checks raise nothing: answer this update, keep serving
-                log.exception("applying a weight update failed")
-                future.set_exception(e)
-                continue
-            changed |= applied
-            future.set_result(self._update_reply(applied))  # read now: the next update changes the receiver
-        if self.subscriber is not None:
-            changed |= self.subscriber.poll() > 0
+        was_valid = self.receiver.weights_valid
+        changed = sum(source.poll() for source in self.sources) > 0
+        self._answer_checksums()
         if was_valid and not self.receiver.weights_valid:  # a patch failed its checksums after writing
             changed = True
             self._fail_inflight(f"the weights stopped matching the trainer's: {self.receiver.last_error}")
         if changed:
-            self.engine.on_weights_updated()
-            self.engine.version = self.receiver.version
+            self.engine.weights_updated(self.receiver.version)
 
-    def _update_reply(self, applied: bool) -> dict:
-        r = self.receiver
-        return {"applied": applied, "version": r.version, "needs_anchor": r.needs_anchor,
-                "error": None if applied else r.last_error}
+    def _answer_checksums(self) -> None:
+        while True:
+            try:
+                future = self.checksum_requests.get_nowait()
+            except queue.Empty:
+                return
+            future.set_result({name: checksum(p) for name, p in self.receiver.params.items()})
 
     def _admit(self) -> None:
         while True:
@@ -204,7 +183,8 @@ class GenerationServer:
             except Exception as e:  # whatever this request's fault, it fails alone
                 future.set_exception(e)
                 continue
-            self.pending[ids[0].rsplit("-", 1)[0]] = (future, [], len(ids))
+            group = _Group(future, ids)
+            self.pending.update(dict.fromkeys(ids, group))
 
 
 def max_patch_bytes(params: dict[str, torch.Tensor]) -> int:
@@ -260,7 +240,7 @@ def make_handler(server: GenerationServer, timeout: float = 600.0, token: str = 
                 self._completions(body)
 
         def _weights(self, body: bytes) -> None:
-            reply = self._wait(server.update(body), 500)
+            reply = self._wait(server.inbox.put(body), 500)
             if reply is not _Failed:
                 self._send(200 if reply["applied"] else 409 if reply["needs_anchor"] else 400, reply)
 
@@ -363,8 +343,6 @@ def is_loopback(host: str) -> bool:
 
 
 def serve(cfg: ServeConfig) -> None:
-    from .models import load_policy, model_device, model_dtype
-
     token = resolve_token(cfg.token)
     if not token and not is_loopback(cfg.host):  # before loading: a refused start costs no model load
         raise ConfigError(f"--host={cfg.host} is reachable from other machines, and without a token anyone who "
@@ -373,11 +351,11 @@ def serve(cfg: ServeConfig) -> None:
     device = model_device(cfg.model.device)
     dtype = model_dtype(cfg.model.dtype, device)
     model, _ = load_policy(cfg.model.name_or_path, dtype=getattr(torch, dtype), device=device)
+    check_parity(model, cfg.engine)  # refuses a model the engine would decode differently from its own forward
     engine = Engine(model, cfg.engine)
     receiver = Receiver(dict(model.named_parameters()), version=0 if cfg.synced else -1)
-    server = GenerationServer(engine, receiver, cfg.sync_url)
-    server.start({"init_method": cfg.sync_dist, "rank": cfg.sync_rank, "world_size": cfg.sync_world_size}
-                 if cfg.sync_dist else None)
+    server = GenerationServer(engine, receiver, build_source(cfg.sync, receiver, engine.device))
+    server.start()
     http = make_http_server(server, cfg.host, cfg.port, token=token, max_n=cfg.max_n,
                             max_request_bytes=cfg.max_request_bytes)
     log.info("serving %s on http://%s:%d%s", cfg.model.name_or_path, cfg.host, http.server_address[1],

@@ -18,7 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: conftest and the test modules
 from conftest import teacher_forced_logprobs, tiny_llama  # noqa: E402
 
-from unison.dist.runtime import Replica  # noqa: E402
+from unison.dist.topology import Ranks, Topology  # noqa: E402
 from unison.rollout.sample import Sample  # noqa: E402
 from unison.train.loss import LossConfig  # noqa: E402
 from unison.train.optimizer import OptimConfig, build_optimizer  # noqa: E402
@@ -55,14 +55,15 @@ def run(sharded: bool, rank: int, world: int, group, uneven: bool = False, place
         ) -> dict[str, torch.Tensor]:
     model = tiny_llama()
     cfg = OptimConfig(lr=1e-3, weight_decay=0.01, max_grad_norm=1.0, placement=placement)
-    opt = build_optimizer(model, cfg, STEPS, replica=Replica(rank, world, torch.device("cpu"), group) if sharded
-                          else None)
+    cpu = torch.device("cpu")
+    topology = Topology(cpu, rank, world, dp=Ranks(rank, world, cpu, group))
+    opt = build_optimizer(model, cfg, STEPS, topology if sharded else None)
     norms = []
     for step in range(STEPS):
         first = UNEVEN[step][0]
         mine = step_samples(step)[rank::world] if not uneven else \
             step_samples(step)[:first] if rank == 0 else step_samples(step)[first:]
-        norms.append(train_step(model, opt, mine, LossConfig(), 1.0, 64, 0, 16, dp_group=group)["optim/grad_norm"])
+        norms.append(train_step(model, opt, mine, LossConfig(), 1.0, 64, 0, 16, topology=topology)["optim/grad_norm"])
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "grad_norms": norms}
 
 

@@ -21,7 +21,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: conftest and the test modules
 from test_rollout import count_w7, make_loop  # noqa: E402
 
-from unison.dist.runtime import ReadyAgreement, Replica  # noqa: E402
+from unison.dist.runtime import ReadyAgreement  # noqa: E402
+from unison.dist.topology import Ranks  # noqa: E402
 
 
 class Counting(ReadyAgreement):
@@ -40,8 +41,8 @@ def main():
     mode = sys.argv[2] if len(sys.argv) > 2 else "both_score"
     silent = mode == "none_score" or (mode == "one_scores" and rank == 1)
     reward = (lambda prompts, completions, **_: [1.0] * len(completions)) if silent else count_w7
-    loop = make_loop([(reward, 1.0)], samples_per_step=16, max_staleness=10, **cfg)
-    loop.agreement = Counting(Replica(rank, 2, torch.device("cpu"), dist.group.WORLD), total=16, every=2)
+    agreement = Counting(Ranks(rank, 2, torch.device("cpu"), dist.group.WORLD), total=16, every=2)
+    loop = make_loop([(reward, 1.0)], samples_per_step=16, max_staleness=10, agreement=agreement, **cfg)
     shares = []
     for version in range(4):
         batch, _ = loop.next_batch(trainer_version=version)

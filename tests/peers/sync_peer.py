@@ -2,11 +2,11 @@
 
     python tests/peers/sync_peer.py ROLE TRANSPORT OUT [URL]     ROLE: trainer | server; TRANSPORT: dist | dir
 
-The trainer trains a bf16 tiny model for STEPS optimizer steps and syncs each step's changed elements, with
-faults injected on the way (a dropped patch, corrupted bytes, a stale patch for an older base version, an
-out-of-bounds index); the server starts from different weights, applies what arrives, and asks for an anchor
-whenever it could not apply what the trainer sent (a refused patch leaves it behind, even when the receiver
-itself needs no anchor for it).
+The trainer trains a bf16 tiny model for STEPS optimizer steps and syncs each step's changed elements through the
+transport's Sender, with faults injected on the way (a dropped patch, corrupted bytes, a stale patch for an older
+base version, an out-of-bounds index); the server starts from different weights, applies what its Source brings,
+and asks for an anchor whenever it could not apply what the trainer sent (a refused patch leaves it behind, even
+when the receiver itself needs no anchor for it).
 Over ``dist`` the patches travel framed (tensors broadcast as they are), over ``dir`` as safetensors files.
 At the end both write their parameters' checksums and counts to OUT/<role>.json.
 """
@@ -19,13 +19,13 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: conftest and the test modules
 from conftest import tiny_llama  # noqa: E402
 
 from unison.sync import Framed, Patch, Receiver, anchor_patch, checksum, encode, frame, sparse_patch  # noqa: E402
-from unison.sync.transport import DirectoryPublisher, DirectorySubscriber, DistChannel  # noqa: E402
+from unison.sync.transports.directory import DirectorySender, DirectorySource  # noqa: E402
+from unison.sync.transports.dist import DistSender, DistServeSyncConfig, DistSource, DistSyncConfig  # noqa: E402
 from unison.train.optimizer import MasterAdamW, OptimConfig  # noqa: E402
 
 STEPS = 8
@@ -75,27 +75,29 @@ def trainer(transport: str, out: str, url: str | None) -> dict:
     model = tiny_llama(dtype=torch.bfloat16)
     params = dict(model.named_parameters())
     opt = MasterAdamW(model.named_parameters(), OptimConfig(lr=3e-3), total_steps=STEPS)
-    channel = DistChannel() if transport == "dist" else DirectoryPublisher(url)
+    sender = DistSender(DistSyncConfig(init_method()), 1, torch.device("cpu"), 120.0) if transport == "dist" else \
+        DirectorySender(url)
     sent_elements = changed_elements = 0
     anchors = 0
 
-    def send(blob, version, anchor):
+    def deliver(blob, version: int, anchor: bool) -> None:
+        """Put ``blob`` (as the transport carries it, maybe faulty; None: dropped) on the wire, then answer the anchor
+        requests as the trainer's WeightPublisher does."""
         nonlocal anchors
         if transport == "dist":
-            if blob is None:  # a dropped patch: the server sees an empty message
-                blob = b""
-            anchors += channel.send(blob, anchor=lambda: anchor_patch(params, version, to_host=False))
+            sender.channel.broadcast(b"" if blob is None else blob)  # a dropped patch: the server sees an empty message
+        elif blob is None:
+            return  # a dropped patch: nothing for the server to poll
         else:
-            if blob is None:  # a dropped patch: nothing for the server to poll
-                return
-            channel.publish(blob, version, anchor)
+            sender.publish(blob, version, anchor)
             wait_for_server(url, version)
-            if channel.anchor_requested():
-                channel.publish(encode(anchor_patch(params, version)), version, anchor=True)
-                anchors += 1
+        receivers = sender.needs_anchor()
+        if receivers:
+            anchors += sender.send_anchor(anchor_patch(params, version, to_host=sender.to_host), receivers)
 
     framed = transport == "dist"
-    send(frame(anchor_patch(params, 0)) if framed else encode(anchor_patch(params, 0)), 0, True)  # initial full sync
+    first = anchor_patch(params, 0)
+    deliver(frame(first) if framed else encode(first), 0, anchor=True)  # the initial full sync
     for step in range(1, STEPS + 1):
         g = torch.Generator().manual_seed(step)
         ids = torch.randint(0, 256, (2, 16), generator=g)
@@ -105,12 +107,13 @@ def trainer(transport: str, out: str, url: str | None) -> dict:
         patch = sparse_patch(params, opt.changed_masks, step - 1, step)
         sent_elements += patch.num_elements
         changed_elements += sum(int(m.sum()) for m in opt.changed_masks.values())
-        send(faulty(patch, FAULTS.get(step), step, framed), step, False)
+        deliver(faulty(patch, FAULTS.get(step), step, framed), step, anchor=False)
     if transport == "dir":
         wait_for_server(url, STEPS)
-        if channel.anchor_requested():
-            channel.publish(encode(anchor_patch(params, STEPS)), STEPS, anchor=True)
-            anchors += 1
+        receivers = sender.needs_anchor()
+        if receivers:
+            anchors += sender.send_anchor(anchor_patch(params, STEPS), receivers)
+    sender.close()  # dist: ends the server's receive loop
     return {"checksums": {n: checksum(p) for n, p in params.items()}, "sent_elements": sent_elements,
             "changed_elements": changed_elements, "anchors_on_request": anchors,
             "total_elements": STEPS * sum(p.numel() for p in params.values())}
@@ -120,12 +123,13 @@ def server(transport: str, out: str, url: str | None) -> dict:
     model = tiny_llama(seed=1, dtype=torch.bfloat16)  # different weights: only the sync makes them equal
     receiver = Receiver(dict(model.named_parameters()))
     if transport == "dist":
-        channel = DistChannel()
-        for _ in range(STEPS + 1):
-            channel.receive(receiver)
+        source = DistSource(DistServeSyncConfig(init_method(), rank=1, world_size=2), receiver, torch.device("cpu"))
+        while source.thread.is_alive():  # until the trainer closes the group; its thread waits for each poll
+            source.poll()
+            time.sleep(0.005)
     else:
         os.makedirs(url, exist_ok=True)
-        sub = DirectorySubscriber(url, receiver)
+        sub = DirectorySource(url, receiver)
         deadline = time.time() + 60
         while receiver.version < STEPS or receiver.needs_anchor:
             sub.poll()
@@ -139,16 +143,17 @@ def server(transport: str, out: str, url: str | None) -> dict:
             "counts": dict(receiver.counts), "weights_valid": receiver.weights_valid}
 
 
+def init_method() -> str:
+    """The process group's rendezvous, from the environment test_sync_processes.py gives both peers."""
+    return f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+
+
 def main():
     role, transport, out = sys.argv[1:4]
     url = sys.argv[4] if len(sys.argv) > 4 else None
-    if transport == "dist":
-        dist.init_process_group("gloo")
     result = (trainer if role == "trainer" else server)(transport, out, url)
     with open(os.path.join(out, f"{role}.json"), "w") as f:
         json.dump(result, f)
-    if transport == "dist":
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

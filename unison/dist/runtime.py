@@ -11,14 +11,13 @@ waiting forever.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ..bits import checksum
+from .topology import Ranks
 
 
 @dataclass
@@ -41,38 +40,6 @@ class DistConfig:
             raise ValueError(f"dist.timeout_s must be > 0, got {self.timeout_s}")
 
 
-@dataclass
-class Replica:
-    rank: int
-    world: int
-    device: torch.device
-    group: object
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def init_replicas(cfg: DistConfig, device_type: str) -> Replica | None:
-    """Join the process group torchrun describes (RANK, WORLD_SIZE, ...); None when running alone."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return None
-    device = join_torchrun(device_type, cfg.timeout_s)
-    return Replica(dist.get_rank(), dist.get_world_size(), device, dist.group.WORLD)
-
-
-def join_torchrun(device_type: str, timeout_s: float) -> torch.device:
-    """Join the process group torchrun describes (NCCL on GPUs, gloo on the CPU); returns this process's device."""
-    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
-    if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
-    return device
-
-
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a tensor-parallel parameter or gradient (a DTensor; the same memory), else ``t``."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -88,7 +55,7 @@ class ReadyAgreement:
     fewer samples instead of holding the others back.
     """
 
-    def __init__(self, replica: Replica, total: int, every: int):
+    def __init__(self, replica: Ranks, total: int, every: int):
         self.replica, self.total, self.every = replica, total, every
         self.buffer = torch.zeros(2 * replica.world, dtype=torch.int64, device=replica.device)
 
@@ -128,7 +95,7 @@ def split_ready(counts: list[int], total: int) -> list[int] | None:
     return shares
 
 
-def reduce_metrics(metrics: dict[str, float], replica: Replica) -> dict[str, float]:
+def reduce_metrics(metrics: dict[str, float], replica: Ranks) -> dict[str, float]:
     """Every replica's metrics in one dict: maxima as maxima, token, row and sample counts summed, the rest
     averaged (a NaN, the mean of nothing on a replica that trained no sample, counts as missing)."""
     gathered: list[dict] = [None] * replica.world
@@ -148,7 +115,7 @@ def reduce_metrics(metrics: dict[str, float], replica: Replica) -> dict[str, flo
     return out
 
 
-def agree_with_rank0(value, ranks: Replica, what: str) -> None:
+def agree_with_rank0(value, ranks: Ranks, what: str) -> None:
     """Raise if any rank of ``ranks`` holds another ``value`` (any picklable) than its rank 0: ``what`` names the
     ranks and the value in the error."""
     gathered: list = [None] * ranks.world
@@ -158,7 +125,7 @@ def agree_with_rank0(value, ranks: Replica, what: str) -> None:
         raise RuntimeError(what.format(bad))
 
 
-def check_replicas_agree(model: torch.nn.Module, replica: Replica) -> None:
+def check_replicas_agree(model: torch.nn.Module, replica: Ranks) -> None:
     """Raise if any replica's parameters differ from rank 0's (they must be identical after every step)."""
     agree_with_rank0({name: checksum(local(p)) for name, p in model.named_parameters()}, replica,
                      "data-parallel replicas {} hold parameters that differ from rank 0's")

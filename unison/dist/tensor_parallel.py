@@ -27,44 +27,22 @@ from __future__ import annotations
 import fnmatch
 import functools
 import hashlib
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ..bits import checksum
-from .runtime import Replica, agree_with_rank0, join_torchrun, local
+from .runtime import agree_with_rank0, local
+from .topology import Ranks, Topology
 
 PARTIAL_GRAD = "replicated_with_grad_allreduce"
-
-
-@dataclass
-class TensorParallel(Replica):
-    """This rank's place in its tensor-parallel group (``rank`` and ``world`` along the ``tp`` mesh axis)."""
-    mesh: DeviceMesh = None
-
-
-def init_tensor_parallel(tp: int, timeout_s: float, device_type: str) -> tuple[TensorParallel, Replica | None]:
-    """Join torchrun's process group on a (``dp``, ``tp``) mesh: WORLD_SIZE / tp data-parallel replicas, each a
-    tensor-parallel group of ``tp`` consecutive ranks. Returns this rank's place on the ``tp`` axis, and on the
-    ``dp`` axis (None with a single replica)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world % tp:
-        raise ValueError(f"dist.tp={tp} does not divide the {world} processes torchrun started")
-    device = join_torchrun(device_type, timeout_s)
-    mesh = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
-    tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
-    group = TensorParallel(tp_mesh.get_local_rank(), tp, device, tp_mesh.get_group(), tp_mesh)
-    replica = Replica(dp_mesh.get_local_rank(), world // tp, device, dp_mesh.get_group()) if world > tp else None
-    return group, replica
 
 
 def _base_plan(model: torch.nn.Module) -> dict[str, str]:
@@ -75,7 +53,8 @@ def _base_plan(model: torch.nn.Module) -> dict[str, str]:
 def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
     """Shard ``model`` in place over the 1-D ``mesh`` by the transformers plan of its family (``colwise`` and
     ``rowwise`` projections as torch's ``ColwiseParallel``/``RowwiseParallel``; see the module docstring for what
-    stays replicated). Sets ``model.unison_tp_size``."""
+    stays replicated). Nothing is hung on the model: the sharded projections are the ``nn.Linear`` modules whose
+    weight is a DTensor (``LocalForward`` finds them by their placement)."""
     base = _base_plan(model)
     if not base:
         raise ValueError(f"{model.config.model_type}: transformers has no tensor-parallel plan for this model")
@@ -91,15 +70,46 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
                     raise ValueError(f"{name}: tensor parallelism shards nn.Linear projections, not "
                                      f"{type(module).__name__}")
                 plan[name] = styles[style]()
-                module.unison_tp_style = style
     parallelize_module(model, mesh, plan)
-    model.unison_tp_size = mesh.size()
-    model.unison_local_forward = LocalForward(model)  # what the engine's and the training step's forwards run under
     return model
 
 
+def local_forward(model: torch.nn.Module, topology: Topology | None) -> Callable[..., AbstractContextManager]:
+    """What the engine's and the training step's forwards run under: ``LocalForward(model)`` with tensor
+    parallelism, else a context that changes nothing (``with local_forward(model, None)(train=True):``). A sharded
+    model without a tensor-parallel topology is refused (it would run, slowly, through DTensor's dispatch)."""
+    if topology is not None and topology.tp is not None:
+        return LocalForward(model)
+    if sharded_linears(model):
+        raise ValueError(f"{type(model).__name__} is sharded for tensor parallelism: pass its topology")
+    return _whole_model
+
+
+@contextmanager
+def _whole_model(train: bool = False) -> Iterator[int]:
+    yield 0
+
+
+def sharded_linears(model: torch.nn.Module) -> list[tuple[torch.nn.Linear, str]]:
+    """The projections ``parallelize`` sharded, each with its style: a weight sharded along its output rows is
+    column-wise (``Shard(0)``), along its input columns row-wise (``Shard(1)``)."""
+    found = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, torch.nn.Linear) or not isinstance(weight, DTensor):
+            continue
+        placement = weight.placements[-1]
+        if placement == Shard(0):
+            found.append((module, "colwise"))
+        elif placement == Shard(1):
+            found.append((module, "rowwise"))
+        else:
+            raise ValueError(f"{name}: a tensor-parallel weight placed {placement}, neither column- nor row-wise")
+    return found
+
+
 class LocalForward:
-    """``with model.unison_local_forward():`` every projection ``parallelize`` sharded computes on its local shard as
+    """``with LocalForward(model)():`` every projection ``parallelize`` sharded computes on its local shard as
     a plain tensor: a column-wise one is ``F.linear`` with its rows of the weight (the output stays split along the
     last dimension, as the style's local output is), a row-wise one a partial product with its columns, summed over
     the tp group by one all-reduce in fp32 and rounded once (``rowwise_reduce``), plus the bias.
@@ -115,7 +125,10 @@ class LocalForward:
     """
 
     def __init__(self, model: torch.nn.Module):
-        self.modules = [(m, m.unison_tp_style) for m in model.modules() if hasattr(m, "unison_tp_style")]
+        self.modules = sharded_linears(model)
+        if not self.modules:
+            raise ValueError(f"{type(model).__name__} has no tensor-parallel projections: shard it with "
+                             "unison.dist.tensor_parallel.parallelize first")
         weight = self.modules[0][0].weight
         self._group = weight.device_mesh.get_group()
         self._beat = torch.zeros(1, device=weight.device)
@@ -251,7 +264,7 @@ def digest(samples) -> str:
     return h.hexdigest()
 
 
-def check_ranks_agree(samples, tp: TensorParallel) -> None:
+def check_ranks_agree(samples, tp: Ranks) -> None:
     """Raise if any rank rolled out other samples than rank 0 (a divergence would desynchronise the
     collectives of the next forward)."""
     agree_with_rank0(digest(samples), tp, "tensor-parallel ranks {} rolled out other samples than rank 0")
@@ -260,8 +273,20 @@ def check_ranks_agree(samples, tp: TensorParallel) -> None:
 class BroadcastScorer:
     """A reward scorer that runs on rank 0 only; the other ranks receive its results."""
 
-    def __init__(self, inner, tp: TensorParallel):
+    def __init__(self, inner, tp: Ranks):
         self.inner, self.tp = inner, tp
+
+    @property
+    def names(self) -> list[str]:
+        return self.inner.names
+
+    @property
+    def missing(self):
+        return self.inner.missing
+
+    def missing_report(self) -> str | None:
+        """Rank 0's report; None on the other ranks (rank 0 scores, and its error names what was missing)."""
+        return self.inner.missing_report() if self.tp.is_main else None
 
     def score(self, *args, **kwargs):
         result = [self.inner.score(*args, **kwargs) if self.tp.is_main else None]
@@ -274,7 +299,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
 
 
-def replicated_agree(model: torch.nn.Module, tp: TensorParallel) -> None:
+def replicated_agree(model: torch.nn.Module, tp: Ranks) -> None:
     """Raise if a replicated parameter differs from rank 0's (they must stay identical)."""
     agree_with_rank0({name: checksum(p) for name, p in model.named_parameters() if not isinstance(p, DTensor)}, tp,
                      "tensor-parallel ranks {} hold replicated parameters that differ from rank 0's")

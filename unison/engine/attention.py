@@ -7,7 +7,8 @@ what a forward does depends only on the keyword arguments passed to ``model(...)
   paged pool, then each sequence attends over its whole context through the engine's backend.
 - ``cu_seq_lens_q=(S+1,) int32`` and ``max_length_q=int``: a packed training row (batch 1), causal
   within each segment and never across (varlen attention on the GPU, a per-segment loop on the CPU).
-- neither: a plain forward, exactly transformers' SDPA path (padding masks included).
+- neither: a plain forward, exactly transformers' SDPA path (padding masks included); layers with logit
+  softcapping or attention sinks take transformers' eager math instead (``attention_ops``).
 
 So training and generation share one module tree and one set of parameters, and
 ``config._attn_implementation`` never changes at run time (it is process-global state).
@@ -18,13 +19,12 @@ mask builders return as is, so no O(T^2) mask is materialised for them.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
+
+from .attention_ops import causal_mask, dense_attention, varlen_attention, varlen_supported
 
 ATTN_NAME = "unison"
 
@@ -42,17 +42,18 @@ def unison_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query: (B, H, T, D); key, value: (B, KVH, T, D), after RoPE. Returns ((B, T, H, D), None)."""
-    if kwargs.get("softcap") is not None:
-        raise ValueError("unison attention does not support attention logit softcapping")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    """query: (B, H, T, Dk); key: (B, KVH, T, Dk); value: (B, KVH, T, Dv), after RoPE. Returns ((B, T, H, Dv),
+    None). Honours the layer's ``scaling``, ``sliding_window``, ``softcap`` and sinks (``s_aux``)."""
+    scale = scaling if scaling is not None else getattr(module, "scaling", None) or query.shape[-1] ** -0.5
     window = kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap")
+    sinks = layer_sinks(module, query.shape[1], kwargs.get("s_aux"))
     paged = kwargs.get("paged")
     if paged is not None:
         q = query[0].transpose(0, 1)  # (N, H, D): the engine packs all scheduled tokens into batch 1
         k = key[0].transpose(0, 1)
         v = value[0].transpose(0, 1)
-        out = paged.attend(module.layer_idx, q, k, v, scale, window)
+        out = paged.attend(module.layer_idx, q, k, v, scale, window, sinks=sinks, softcap=softcap)
         return out.unsqueeze(0), None
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is not None:
@@ -60,55 +61,61 @@ def unison_attention(
             raise ValueError(f"packed attention expects batch 1, got {query.shape[0]}")
         max_len = int(kwargs.get("max_length_q") or 0)
         out = varlen_causal(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                            cu_seqlens, max_len, scale, window)
+                            cu_seqlens, max_len, scale, window, sinks=sinks, softcap=softcap)
         return out.unsqueeze(0), None
     if attention_mask is not None and attention_mask.ndim == 4 and attention_mask.shape[-1] == 0:
         raise ValueError("attention_mask=NO_MASK needs engine (paged=) or packed (cu_seq_lens_q=) metadata")
+    if sinks is not None or softcap is not None:
+        if attention_mask is None:  # transformers skips the mask only where plain causal attention is exact
+            attention_mask = causal_mask(key.shape[2], query.shape[2], window, query.device)
+        out = dense_attention(query, key, value, scale, attention_mask, softcap=softcap, sinks=sinks)
+        return out.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, **kwargs)
 
 
+def layer_sinks(module: torch.nn.Module, heads: int, s_aux: torch.Tensor | None) -> torch.Tensor | None:
+    """The layer's attention sinks, (H,), or None: the ``s_aux`` the module passes (GptOss), else a ``sinks``
+    tensor it holds (what its eager attention would read)."""
+    sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
+    if not isinstance(sinks, torch.Tensor):
+        return None
+    if sinks.shape != (heads,):
+        raise ValueError(f"{type(module).__name__}: attention sinks of shape {tuple(sinks.shape)} for {heads} "
+                         f"query heads; unison takes one sink logit per head")
+    return sinks
+
+
 def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
-                  scale: float, window: int | None = None) -> torch.Tensor:
+                  scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
     """Causal attention within each segment of a packed row.
 
-    q: (T, H, D); k, v: (T, KVH, D); cu_seqlens: (S+1,) int32 with cu_seqlens[-1] == T. Returns (T, H, D).
+    q: (T, H, Dk); k: (T, KVH, Dk); v: (T, KVH, Dv); cu_seqlens: (S+1,) int32 with cu_seqlens[-1] == T;
+    sinks: (H,) or None. Returns (T, H, Dv). Flash varlen where it can run the layer, else one segment at a
+    time (the CPU, fp32, softcapping: O(T_segment^2) memory for the softcapped layers on the GPU).
     """
-    if q.is_cuda and window is None and _varlen_attn is not None:
-        return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale,
-                            window_size=(-1, 0), **_GQA_KW)
-    out = torch.empty_like(q)
+    if varlen_supported(q, k, v, softcap):
+        return varlen_attention(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale, window, sinks)
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         if end > start:
-            out[start:end] = causal_sdpa(q[start:end], k[start:end], v[start:end], scale, window)
+            out[start:end] = causal_attention(q[start:end], k[start:end], v[start:end], scale, window,
+                                              sinks=sinks, softcap=softcap)
     return out
 
 
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                window: int | None = None) -> torch.Tensor:
-    """One sequence, causal. q: (T, H, D); k, v: (T, KVH, D). Returns (T, H, D)."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None,
+                     sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+    """One sequence, causal. q: (T, H, Dk); k: (T, KVH, Dk); v: (T, KVH, Dv). Returns (T, H, Dv)."""
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    gqa = q.shape[1] != k.shape[1]
     if window is None:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+        out = dense_attention(qh, kh, vh, scale, causal=True, softcap=softcap, sinks=sinks)
     else:
-        pos = torch.arange(q.shape[0], device=q.device)
-        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        mask = causal_mask(q.shape[0], q.shape[0], window, q.device)
+        out = dense_attention(qh, kh, vh, scale, mask, softcap=softcap, sinks=sinks)
     return out.transpose(0, 1)
-
-
-def _load_varlen():
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # torch < 2.9
-        return None, {}
-    gqa = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
-    return varlen_attn, gqa
-
-
-_varlen_attn, _GQA_KW = _load_varlen()
 
 
 def register() -> str:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
+from .attention_ops import causal_mask, dense_attention, key_visible
 from .cache import KVPool
 
 
@@ -32,12 +32,18 @@ class StepLayout:
 
 
 class AttentionBackend(Protocol):
+    static_decode: bool
+    """Serves an all-decode step from fixed-address tensors (``decode_state``): the engine then runs such steps
+    through CUDA graphs (``unison.engine.graphs``)."""
+
     def prepare(self, layout: StepLayout) -> object:
         """Per-step state shared by all layers (indices, masks, kernel metadata)."""
 
     def attend(self, state: object, k_pool: torch.Tensor, v_pool: torch.Tensor, q: torch.Tensor, scale: float,
-               window: int | None) -> torch.Tensor:
-        """q: (N, H, D); k_pool, v_pool: (slots, KVH, D), this step's K/V already written. Returns (N, H, D)."""
+               window: int | None, sinks: torch.Tensor | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        """q: (N, H, Dk); k_pool: (slots, KVH, Dk), v_pool: (slots, KVH, Dv), this step's K/V already written;
+        sinks: (H,) attention sinks or None; softcap: attention logit softcapping or None. Returns (N, H, Dv)."""
 
 
 class PagedBatch:
@@ -54,12 +60,18 @@ class PagedBatch:
         return cls(pool, backend, layout.slot_mapping, backend.prepare(layout))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               window: int | None) -> torch.Tensor:
-        """q: (N, H, D); k, v: (N, KVH, D) of the new tokens. Writes K/V to the pool, returns (N, H, D)."""
+               window: int | None, sinks: torch.Tensor | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        """q: (N, H, Dk); k: (N, KVH, Dk), v: (N, KVH, Dv) of the new tokens. Writes K/V to the pool, returns
+        (N, H, Dv)."""
         k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
+        if k.shape[1:] != k_pool.shape[1:] or v.shape[1:] != v_pool.shape[1:]:
+            raise ValueError(f"layer {layer}: keys {tuple(k.shape[1:])} and values {tuple(v.shape[1:])} per token, "
+                             f"but the KV pool holds {tuple(k_pool.shape[1:])} and {tuple(v_pool.shape[1:])} "
+                             f"(unison.engine.cache.kv_widths does not know this layer's shapes)")
         k_pool.index_copy_(0, self.slot_mapping, k.to(k_pool.dtype))
         v_pool.index_copy_(0, self.slot_mapping, v.to(v_pool.dtype))
-        return self.backend.attend(self.state, k_pool, v_pool, q, scale, window)
+        return self.backend.attend(self.state, k_pool, v_pool, q, scale, window, sinks=sinks, softcap=softcap)
 
 
 @dataclass
@@ -77,6 +89,8 @@ class TorchPagedBackend:
     Single-token queries (decode) are batched into one padded SDPA; multi-token chunks (prefill, recompute)
     run one request at a time. Attention math in the pool's dtype, as in transformers' SDPA path.
     """
+
+    static_decode = False
 
     def __init__(self, block_size: int, device: torch.device):
         self.block_size = block_size
@@ -105,18 +119,17 @@ class TorchPagedBackend:
         return _TorchState(tokens.to(dev), slots.to(dev), pos.to(dev), qpos.to(dev), prefills)
 
     def attend(self, state: _TorchState, k_pool: torch.Tensor, v_pool: torch.Tensor, q: torch.Tensor,
-               scale: float, window: int | None) -> torch.Tensor:
-        out = torch.empty_like(q)
-        gqa = q.shape[1] != k_pool.shape[1]
+               scale: float, window: int | None, sinks: torch.Tensor | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        out = q.new_empty(*q.shape[:-1], v_pool.shape[-1])
         if state.decode_tokens is not None:
-            qd = q[state.decode_tokens].unsqueeze(2)  # (Sd, H, 1, D)
-            kd = k_pool[state.decode_slots].transpose(1, 2)  # (Sd, KVH, Lmax, D)
+            qd = q[state.decode_tokens].unsqueeze(2)  # (Sd, H, 1, Dk)
+            kd = k_pool[state.decode_slots].transpose(1, 2)  # (Sd, KVH, Lmax, Dk)
             vd = v_pool[state.decode_slots].transpose(1, 2)
-            mask = _key_mask(state.decode_pos, state.decode_qpos[:, None], window)  # (Sd, Lmax)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None, None, :], scale=scale,
-                                               enable_gqa=gqa)
+            mask = key_visible(state.decode_pos, state.decode_qpos[:, None], window)  # (Sd, Lmax)
+            o = dense_attention(qd, kd, vd, scale, mask[:, None, None, :], softcap=softcap, sinks=sinks)
             out[state.decode_tokens] = o.squeeze(2)
-        prefill_reference(state.prefills, k_pool, v_pool, q, out, scale, window)
+        prefill_reference(state.prefills, k_pool, v_pool, q, out, scale, window, sinks=sinks, softcap=softcap)
         return out
 
 
@@ -128,26 +141,16 @@ def context_slots(block_table: list[int], length: int, block_size: int) -> torch
 
 
 def prefill_reference(prefills: list[tuple[int, int, torch.Tensor]], k_pool: torch.Tensor, v_pool: torch.Tensor,
-                      q: torch.Tensor, out: torch.Tensor, scale: float, window: int | None) -> None:
+                      q: torch.Tensor, out: torch.Tensor, scale: float, window: int | None,
+                      sinks: torch.Tensor | None = None, softcap: float | None = None) -> None:
     """Multi-token chunks one request at a time: (token start, token end, context slots) each; writes ``out``."""
-    gqa = q.shape[1] != k_pool.shape[1]
     for start, end, slots in prefills:
-        qp = q[start:end].transpose(0, 1)  # (H, T, D)
-        kp, vp = k_pool[slots].transpose(0, 1), v_pool[slots].transpose(0, 1)  # (KVH, L, D)
+        qp = q[start:end].transpose(0, 1)  # (H, T, Dk)
+        kp, vp = k_pool[slots].transpose(0, 1), v_pool[slots].transpose(0, 1)  # (KVH, L, Dk), (KVH, L, Dv)
         length, t = slots.shape[0], end - start
         if t == length and window is None:
-            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
+            o = dense_attention(qp, kp, vp, scale, causal=True, softcap=softcap, sinks=sinks)
         else:
-            keys = torch.arange(length, device=q.device)
-            queries = torch.arange(length - t, length, device=q.device)
-            mask = _key_mask(keys[None, :], queries[:, None], window)  # (T, L)
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            mask = causal_mask(length, t, window, q.device)  # (T, L)
+            o = dense_attention(qp, kp, vp, scale, mask, softcap=softcap, sinks=sinks)
         out[start:end] = o.transpose(0, 1)
-
-
-def _key_mask(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Causal (and sliding-window) visibility; padded keys carry position -1 and are never visible."""
-    mask = (key_pos >= 0) & (key_pos <= query_pos)
-    if window is not None:
-        mask &= key_pos > query_pos - window
-    return mask

@@ -5,14 +5,45 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
 from . import vmm
 
 
+@dataclass(frozen=True)
+class LayerKV:
+    """What one attention layer caches per token on this rank: ``kv_heads`` keys ``key_dim`` wide and as many
+    values ``value_dim`` wide."""
+
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+
+
+def kv_widths(text_config, tp: int = 1) -> list[LayerKV]:
+    """Each layer's cache shape for a transformers text config, under tensor parallelism of size ``tp``.
+
+    Keys and values are what the attention function receives: multi-head latent attention (DeepSeek-V2/V3,
+    GLM-4.7-Flash; configs with ``kv_lora_rank``) expands its latent into ``num_attention_heads`` keys
+    ``qk_nope_head_dim + qk_rope_head_dim`` wide and values ``v_head_dim`` wide before attention.
+    """
+    c = text_config
+    heads = c.num_attention_heads
+    if getattr(c, "kv_lora_rank", None) and getattr(c, "v_head_dim", None):
+        kv_heads, key_dim, value_dim = heads, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+    else:
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        key_dim = value_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    if kv_heads % tp:
+        raise ValueError(f"{c.model_type}: {kv_heads} KV heads do not split across tensor-parallel size {tp}")
+    return [LayerKV(kv_heads // tp, key_dim, value_dim)] * c.num_hidden_layers
+
+
 class KVPool:
-    """K and V for every layer: ``k[layer]``, ``v[layer]`` are ``(num_blocks * block_size, KVH, D)`` views of one
+    """K and V for every layer: ``k[layer]`` is ``(num_blocks * block_size, KVH, Dk)``, ``v[layer]``
+    ``(num_blocks * block_size, KVH, Dv)``, each layer's shapes from its ``LayerKV``; all are views of one
     allocation, which ``release()`` gives back to the device and ``restore()`` takes again (contents lost).
 
     On CUDA with ``cuda-bindings`` the allocation is virtual memory at a fixed address, so views and CUDA graphs
@@ -20,19 +51,25 @@ class KVPool:
     ``restore()`` reports that addresses moved (captured graphs must be recaptured).
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        self.num_slots = num_blocks * block_size
-        shape = (2, num_layers, self.num_slots, num_kv_heads, head_dim)
-        numel = 2 * num_layers * self.num_slots * num_kv_heads * head_dim
+    def __init__(self, num_blocks: int, block_size: int, layers: list[LayerKV], dtype: torch.dtype,
+                 device: torch.device):
+        self.num_slots = n = num_blocks * block_size
+        self.layers = list(layers)
+        numel = sum(n * layer.kv_heads * (layer.key_dim + layer.value_dim) for layer in self.layers)
         self._vmm = None
         if vmm.available(torch.device(device)):
             self._vmm = vmm.VirtualBuffer(numel * dtype.itemsize, torch.device(device))
-            self.storage = self._vmm.tensor(dtype)[:numel].view(shape)
+            self.storage = self._vmm.tensor(dtype)[:numel]
             self.storage.zero_()
         else:
-            self.storage = torch.zeros(shape, dtype=dtype, device=device)
-        self.k, self.v = self.storage[0], self.storage[1]
+            self.storage = torch.zeros(numel, dtype=dtype, device=device)
+        self.k, self.v = [], []
+        offset = 0
+        for layer in self.layers:
+            for views, width in ((self.k, layer.key_dim), (self.v, layer.value_dim)):
+                size = n * layer.kv_heads * width
+                views.append(self.storage[offset:offset + size].view(n, layer.kv_heads, width))
+                offset += size
         self._bytes = numel * dtype.itemsize
         self.released = False
 

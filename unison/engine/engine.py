@@ -1,8 +1,9 @@
 """The generation engine: continuous batching over a paged KV cache, decoding from the model's own parameters.
 
 The engine holds a reference to the training model, never a copy: an optimizer step that updates the
-parameters in place is what the next engine step decodes with. Call ``on_weights_updated()`` after such a
-step so that cached prompt KV computed with the old weights is never served again.
+parameters in place is what the next engine step decodes with. Call ``weights_updated(version)`` after such a
+step so that cached prompt KV computed with the old weights is never served again. It implements
+``unison.engine.protocol.GenerationEngine``, as the clients of ``unison serve`` servers do.
 
 >>> engine = Engine(model, EngineConfig(num_blocks=256, block_size=16))
 >>> done = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=8, n=4))
@@ -13,16 +14,18 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 
+from ..dist.tensor_parallel import local_forward
+from ..dist.topology import Topology
 from .attention import ATTN_NAME, NO_MASK
 from .backend import AttentionBackend, PagedBatch, StepLayout, TorchPagedBackend
-from .cache import BlockAllocator, KVPool
-from .lm_head import check_plain_lm_head, decoder_of, lm_head_fp32
+from .cache import BlockAllocator, KVPool, kv_widths
+from .lm_head import decoder_of, lm_head_of
 from .sampler import sample
 from .scheduler import Request, ScheduledChunk, Scheduler
 from .seeding import SEED_RANGE, request_seed, token_seed
@@ -33,7 +36,7 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None,
-                 backend: AttentionBackend | None = None):
+                 backend: AttentionBackend | None = None, topology: Topology | None = None):
         self.model = model
         self.config = config = config or EngineConfig()
         if config.num_blocks < 1:
@@ -46,34 +49,32 @@ class Engine:
             model.set_attn_implementation(ATTN_NAME)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        # Decoder to the final hidden states, then the same fp32-output projection the trainer uses.
-        check_plain_lm_head(model)
+        # Decoder to the final hidden states, then the same fp32-output projection and head transform the trainer uses.
+        self.lm_head = lm_head_of(model)
         self.decoder = decoder_of(model)
-        self.lm_head_weight = model.get_output_embeddings().weight
-        self.vocab_size = self.lm_head_weight.shape[0]
+        self.vocab_size = self.lm_head.weight.shape[0]
         self.max_model_len = config.max_model_len or text.max_position_embeddings
         heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         # Under tensor parallelism (unison.dist.tensor_parallel) each rank holds the K/V of its share of the heads.
-        tp = getattr(model, "unison_tp_size", 1)
+        tp = topology.tp_size if topology is not None else 1
         if kv_heads % tp:
             raise ValueError(f"{text.model_type}: {kv_heads} KV heads do not split across tensor-parallel size {tp}")
         kv_heads //= tp
         # ... and its forwards run on the local shards with explicit all-reduces, not through DTensor dispatch.
-        self.local_forward = getattr(model, "unison_local_forward", nullcontext)
+        self.local_forward = local_forward(model, topology)
         # One block more than the allocator hands out: the scratch block that padded graph rows write into.
-        self.pool = KVPool(text.num_hidden_layers, config.num_blocks + 1, config.block_size, kv_heads, head_dim,
-                           self.dtype, self.device)
+        self.pool = KVPool(config.num_blocks + 1, config.block_size, kv_widths(text, tp), self.dtype, self.device)
         self.allocator = BlockAllocator(config.num_blocks)
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_batch_tokens,
                                    config.max_num_seqs, config.prefix_caching)
-        self.backend = backend or self._default_backend(kv_heads)
-        fast = hasattr(self.backend, "decode_state")  # a backend with a static decode step (the Triton one)
+        # The kernels config.attention picks: a given backend replaces its attention, never its sampler.
+        kernels = _resolve_kernels(config.attention, self.device)
+        self.backend = backend or self._default_backend(kernels, kv_heads)
         self.runner = None
-        if config.cuda_graphs and fast:
+        if config.cuda_graphs and self.backend.static_decode:
             from .graphs import DecodeRunner
-            self.runner = DecodeRunner(self.decoder, self.lm_head_weight, self.pool, self.backend,
+            self.runner = DecodeRunner(self.decoder, self.lm_head, self.pool, self.backend,
                                        config.max_num_seqs, self.max_model_len, scratch_block=config.num_blocks,
                                        local_forward=self.local_forward)
         self.version = 0
@@ -83,9 +84,9 @@ class Engine:
             self.generator.manual_seed(config.seed)
         else:
             self.generator.seed()
-        # The fused one-pass sampler goes with the Triton backend; it keys its noise by a per-row seed.
+        # The fused one-pass sampler is the Triton kernels' sampler; it keys its noise by a per-row seed.
         self._fused_sample = None
-        if fast:
+        if kernels == "triton":
             from .triton_sampler import FusedSampler
             self._fused_sample = FusedSampler(self.device, config.max_num_seqs)
         self._seed_rng = np.random.default_rng(config.seed)
@@ -99,11 +100,8 @@ class Engine:
                           "step_s": 0.0, "wait_s": 0.0, "kv_lent_bytes": 0,
                           "kv_dropped_tokens": 0}
 
-    def _default_backend(self, kv_heads: int) -> AttentionBackend:
-        choice = self.config.attention
-        if choice == "auto":
-            choice = "triton" if self.device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
-        if choice == "torch":
+    def _default_backend(self, kernels: str, kv_heads: int) -> AttentionBackend:
+        if kernels == "torch":
             return TorchPagedBackend(self.config.block_size, self.device)
         from .triton_backend import TritonPagedBackend
         return TritonPagedBackend(self.config.block_size, kv_heads, self.device, self.dtype)
@@ -147,17 +145,21 @@ class Engine:
             raise ValueError(f"a request of up to {tokens} tokens needs {blocks} KV blocks but the pool has "
                              f"{self.config.num_blocks}: raise EngineConfig.num_blocks or lower max_new_tokens")
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request; its completion (finish_reason "abort") comes out of the next ``step()``."""
+    def abort(self, request_ids: Iterable[str]) -> int:
+        """Stop requests; each one's completion (finish_reason "abort", the tokens so far) comes out of the next
+        ``step()``. Returns how many were unfinished; unknown and finished ids are ignored."""
+        return sum(self._abort_one(request_id) for request_id in request_ids)
+
+    def abort_all(self) -> int:
+        """Abort every request; returns how many."""
+        return self.abort(list(self._requests))
+
+    def _abort_one(self, request_id: str) -> bool:
         req = self.scheduler.remove(request_id)
         if req is None:
             return False
         self._done.append(self._complete(req, "abort"))
         return True
-
-    def abort_all(self) -> int:
-        """Abort every request; returns how many."""
-        return sum(self.abort(request_id) for request_id in list(self._requests))
 
     @property
     def num_unfinished(self) -> int:
@@ -209,13 +211,14 @@ class Engine:
         self._done.extend(others)
         return [got[rid] for rid in ids]
 
-    def on_weights_updated(self) -> int:
-        """Call after every in-place update of the model's parameters. Returns the new weight version."""
-        self.version += 1
+    def weights_updated(self, version: int) -> None:
+        """Call after every in-place update of the model's parameters, with their new version: tokens sampled from
+        here on carry it, and prompt KV cached under the old weights is dropped (running requests keep theirs, or
+        recompute it under ``inflight_policy="recompute"``)."""
+        self.version = version
         self.allocator.clear_cache()
         if self.config.inflight_policy == "recompute":
             self.scheduler.preempt_all()
-        return self.version
 
     @contextmanager
     def lend(self) -> Iterator[int]:
@@ -311,7 +314,7 @@ class Engine:
                                   position_ids=torch.tensor([positions], device=dev),
                                   attention_mask=NO_MASK, paged=batch, use_cache=False).last_hidden_state[0]
             rows = hidden.index_select(0, torch.tensor(sample_at, dtype=torch.int64, device=dev))
-            return lm_head_fp32(rows, self.lm_head_weight)
+            return self.lm_head(rows)
 
     def _append(self, req: Request, token: int, logprob: float) -> str | None:
         req.output.append(token)
@@ -327,6 +330,13 @@ class Engine:
         del self._requests[req.request_id]
         return Completion(req.request_id, req.group_id, list(req.prompt), list(req.output), list(req.logprobs),
                           reason, list(req.versions))
+
+
+def _resolve_kernels(choice: str, device: torch.device) -> str:
+    """``EngineConfig.attention`` made concrete: "triton" (the Triton attention and fused sampler) or "torch"."""
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+    return choice
 
 
 def _eos_ids(model: torch.nn.Module) -> list[int]:

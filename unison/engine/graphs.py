@@ -2,12 +2,12 @@
 
 A decode step of n requests runs at the smallest ladder size b >= n; rows n..b-1 are padding that attends to,
 and writes into, a scratch block of the pool that no request owns. Each size is captured the first time it is
-needed (decoder forward and the fp32 lm_head of every row; sampling stays outside, so per-request generators
-and sampling parameters need no graph) and replayed after that. The capture runs with ``fused_norms`` and
-``fused_rope``: each RMSNorm is one kernel instead of eight, RoPE of q and k one instead of ten. The graphs read
-the parameters and the KV pool at their addresses: in-place optimizer updates need nothing, and they stay valid
-as long as neither tensor is reallocated. Without CUDA (the CPU tests) the same forward runs eagerly through the
-same buffers.
+needed (decoder forward and the fp32 lm_head of every row, head transform included; sampling stays outside, so
+per-request generators and sampling parameters need no graph) and replayed after that. The capture runs with
+``fused_norms`` and ``fused_rope``: each RMSNorm is one kernel instead of eight, RoPE of q and k one instead of
+ten. The graphs read the parameters and the KV pool at their addresses: in-place optimizer updates need nothing,
+and they stay valid as long as neither tensor is reallocated. Without CUDA (the CPU tests) the same forward runs
+eagerly through the same buffers.
 
 Per step the host fills one pinned buffer (token, position, slot and context length of each row, then the
 block tables), which reaches the device in one copy; two device copies spread it into the static inputs.
@@ -26,7 +26,7 @@ from .backend import PagedBatch
 from .cache import KVPool
 from .fused_norm import fused_norms
 from .fused_rope import fused_rope
-from .lm_head import lm_head_fp32
+from .lm_head import LMHead
 from .triton_backend import TritonPagedBackend
 
 
@@ -41,11 +41,11 @@ def batch_ladder(max_batch: int) -> list[int]:
 
 
 class DecodeRunner:
-    def __init__(self, decoder: torch.nn.Module, lm_head_weight: torch.Tensor, pool: KVPool,
+    def __init__(self, decoder: torch.nn.Module, lm_head: LMHead, pool: KVPool,
                  backend: TritonPagedBackend, max_batch: int, max_context: int, scratch_block: int,
                  local_forward: Callable[[], ContextManager] = nullcontext):
         self.decoder = decoder
-        self.lm_head_weight = lm_head_weight
+        self.lm_head = lm_head
         self.pool = pool
         self.backend = backend
         self.block_size = bs = backend.block_size
@@ -110,7 +110,7 @@ class DecodeRunner:
             with torch.inference_mode(), fused_norms(self.decoder), fused_rope(self.decoder), self.local_forward():
                 hidden = self.decoder(input_ids=ids, position_ids=positions, attention_mask=NO_MASK, paged=batch,
                                       use_cache=False).last_hidden_state[0]
-                return lm_head_fp32(hidden, self.lm_head_weight)
+                return self.lm_head(hidden)
 
         if not self.use_graphs:
             return None, forward

@@ -21,23 +21,28 @@ import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # a compiled kernel reads only constexpr globals
 
 
 @triton.jit
-def _tile(q, K, V, BT, bt_base, kvh, n0, end, m, denom, acc, scale_log2, stride_ks, stride_kh, stride_vs, stride_vh,
-          dmask, d, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _tile(q, K, V, BT, bt_base, kvh, n0, end, m, denom, acc, scale_log2, cap_log2, stride_ks, stride_kh, stride_vs,
+          stride_vh, dk, dkmask, dv, dvmask, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+          UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Online-softmax update of (m, denom, acc) with keys n0 .. n0 + BLOCK_N - 1 (those below ``end``)."""
     n = n0 + tl.arange(0, BLOCK_N)
     nmask = n < end
     page = tl.load(BT + bt_base + n // PAGE, mask=nmask, other=0)
     slot = page.to(tl.int64) * PAGE + n % PAGE
-    kv_mask = nmask[:, None] & dmask[None, :]
-    k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+    k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + dk[None, :], mask=nmask[:, None] & dkmask[None, :],
+                other=0.0)
+    v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + dv[None, :], mask=nmask[:, None] & dvmask[None, :],
+                other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_G, BLOCK_N), log2 units
+    if SOFTCAP:  # softcap * tanh(s / softcap) in log2 units; tanh through exp (the interpreter has no tanh)
+        s = cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * (s / cap_log2)) + 1.0))
     s = tl.where(nmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))  # finite: the tile holds at least key n0
     alpha = tl.exp2(m - m_new)
@@ -48,11 +53,12 @@ def _tile(q, K, V, BT, bt_base, kvh, n0, end, m, denom, acc, scale_log2, stride_
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, BT, CTX, Out, PO, PML, scale_log2, window,
+def _decode_kernel(Q, K, V, BT, CTX, SINK, Out, PO, PML, scale_log2, cap_log2, window,
                    stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, stride_on, stride_oh,
-                   HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                   WINDOWED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                   HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, K_DIM: tl.constexpr,
+                   BLOCK_DK: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WINDOWED: tl.constexpr, SINKS: tl.constexpr,
+                   SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -65,96 +71,122 @@ def _decode_kernel(Q, K, V, BT, CTX, Out, PO, PML, scale_log2, window,
     end = tl.minimum(start + per, ctx)
 
     g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
     heads = kvh * GROUP + g
     gmask = g < GROUP
-    dmask = d < HEAD_DIM
-    qo_mask = gmask[:, None] & dmask[None, :]
-    q = tl.load(Q + seq * stride_qn + heads[:, None] * stride_qh + d[None, :], mask=qo_mask, other=0.0)
+    dkmask = dk < K_DIM
+    dvmask = dv < V_DIM
+    q = tl.load(Q + seq * stride_qn + heads[:, None] * stride_qh + dk[None, :], mask=gmask[:, None] & dkmask[None, :],
+                other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
     kv_base = seq * stride_bt
     if UPCAST:  # the interpreter cannot take a tensor-bounded range(); a while loop is not pipelined when compiled
         n0 = start
         while n0 < end:
-            m, denom, acc = _tile(q, K, V, BT, kv_base, kvh, n0, end, m, denom, acc, scale_log2, stride_ks, stride_kh,
-                              stride_vs, stride_vh, dmask, d, PAGE, BLOCK_N, UPCAST, PRECISION)
+            m, denom, acc = _tile(q, K, V, BT, kv_base, kvh, n0, end, m, denom, acc, scale_log2, cap_log2, stride_ks,
+                                  stride_kh, stride_vs, stride_vh, dk, dkmask, dv, dvmask, PAGE, BLOCK_N, SOFTCAP,
+                                  UPCAST, PRECISION)
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
-            m, denom, acc = _tile(q, K, V, BT, kv_base, kvh, n0, end, m, denom, acc, scale_log2, stride_ks, stride_kh,
-                              stride_vs, stride_vh, dmask, d, PAGE, BLOCK_N, UPCAST, PRECISION)
+            m, denom, acc = _tile(q, K, V, BT, kv_base, kvh, n0, end, m, denom, acc, scale_log2, cap_log2, stride_ks,
+                                  stride_kh, stride_vs, stride_vh, dk, dkmask, dv, dvmask, PAGE, BLOCK_N, SOFTCAP,
+                                  UPCAST, PRECISION)
 
+    o_mask = gmask[:, None] & dvmask[None, :]
     if SPLITS == 1:
+        if SINKS:  # the sink joins the softmax's denominator (log2 units), rescaled to a common maximum
+            sink = tl.load(SINK + heads, mask=gmask, other=0.0).to(tl.float32) * _LOG2E
+            top = tl.maximum(m, sink)
+            alpha = tl.exp2(m - top)
+            acc = acc * alpha[:, None]
+            denom = denom * alpha + tl.exp2(sink - top)
         out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-        tl.store(Out + seq * stride_on + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
-                 mask=qo_mask)
+        tl.store(Out + seq * stride_on + heads[:, None] * stride_oh + dv[None, :], out.to(Out.dtype.element_ty),
+                 mask=o_mask)
     else:  # unnormalised partial; an empty split leaves m = -inf, denom = 0, acc = 0
         row = (seq * HEADS + heads) * SPLITS + split
-        tl.store(PO + row[:, None] * BLOCK_D + d[None, :], acc, mask=qo_mask)
+        tl.store(PO + row[:, None] * BLOCK_DV + dv[None, :], acc, mask=o_mask)
         tl.store(PML + row * 2, m, mask=gmask)
         tl.store(PML + row * 2 + 1, denom, mask=gmask)
 
 
 @triton.jit
-def _combine_kernel(PO, PML, Out, stride_on, stride_oh, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+def _combine_kernel(PO, PML, SINK, Out, stride_on, stride_oh, HEADS: tl.constexpr, V_DIM: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, SINKS: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
+    d = tl.arange(0, BLOCK_DV)
     smask = s < SPLITS
     row = (seq * HEADS + head) * SPLITS + s
     m = tl.load(PML + row * 2, mask=smask, other=float("-inf"))
     denom = tl.load(PML + row * 2 + 1, mask=smask, other=0.0)
     m_max = tl.max(m, 0)
+    if SINKS:
+        sink = tl.load(SINK + head).to(tl.float32) * _LOG2E
+        m_max = tl.maximum(m_max, sink)
     w = tl.where(denom > 0, tl.exp2(m - m_max), 0.0)
-    acc = tl.load(PO + row[:, None] * BLOCK_D + d[None, :], mask=smask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(denom * w, 0)
-    tl.store(Out + seq * stride_on + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
+    acc = tl.load(PO + row[:, None] * BLOCK_DV + d[None, :], mask=smask[:, None] & (d < V_DIM)[None, :], other=0.0)
+    total = tl.sum(denom * w, 0)
+    if SINKS:
+        total += tl.exp2(sink - m_max)
+    out = tl.sum(acc * w[:, None], 0) / total
+    tl.store(Out + seq * stride_on + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < V_DIM)
 
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, block_size: int, scale: float, window: int | None = None,
                  splits: int = 1, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
-    q: (B, H, D); k_pool, v_pool: (slots, KVH, D) with slot = block * block_size + offset; block_tables: (B, W)
-    int32/int64 (row b lists sequence b's blocks, at least ceil(context_lens[b] / block_size) of them);
-    context_lens: (B,) >= 1, the query's own key included. Returns (B, H, D) in q's dtype (``out`` if given).
-    fp32 inputs take IEEE fp32 dot products, not TF32.
+    q: (B, H, Dk); k_pool: (slots, KVH, Dk), v_pool: (slots, KVH, Dv) with slot = block * block_size + offset
+    (Dk != Dv for multi-head latent attention); block_tables: (B, W) int32/int64 (row b lists sequence b's
+    blocks, at least ceil(context_lens[b] / block_size) of them); context_lens: (B,) >= 1, the query's own key
+    included; sinks: (H,) attention sinks (one logit per head joins each softmax) or None; softcap: attention
+    logit softcapping (``softcap * tanh(s / softcap)``) or None. Returns (B, H, Dv) in q's dtype (``out`` if
+    given). fp32 inputs take IEEE fp32 dot products, not TF32.
     """
-    batch, heads, head_dim = q.shape
-    kv_heads = k_pool.shape[1]
+    batch, heads, k_dim = q.shape
+    kv_heads, v_dim = k_pool.shape[1], v_pool.shape[-1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
     if q.stride(-1) != 1 or k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
         raise ValueError("paged_decode needs the head dimension contiguous")
+    if k_pool.shape[-1] != k_dim:
+        raise ValueError(f"queries {k_dim} wide, keys {k_pool.shape[-1]}")
+    if sinks is not None and sinks.shape != (heads,):
+        raise ValueError(f"sinks of shape {tuple(sinks.shape)} for {heads} heads")
     group = heads // kv_heads
-    block_d = triton.next_power_of_2(head_dim)
-    out = torch.empty_like(q) if out is None else out
+    block_dv = triton.next_power_of_2(v_dim)
+    out = q.new_empty(batch, heads, v_dim) if out is None else out
     if splits > 1:
-        part_o = torch.empty(batch * heads * splits * block_d, dtype=torch.float32, device=q.device)
+        part_o = torch.empty(batch * heads * splits * block_dv, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(batch * heads * splits * 2, dtype=torch.float32, device=q.device)
     else:
         part_o = part_ml = out  # unused
+    sink_arg = sinks if sinks is not None else out  # unused without sinks
     _decode_kernel[(batch, kv_heads, splits)](
-        q, k_pool, v_pool, block_tables, context_lens, out, part_o, part_ml, scale * LOG2E, window or 0,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        HEADS=heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=block_d, PAGE=block_size, BLOCK_N=block_n, SPLITS=splits, WINDOWED=window is not None,
+        q, k_pool, v_pool, block_tables, context_lens, sink_arg, out, part_o, part_ml, scale * LOG2E,
+        (softcap or 1.0) * LOG2E, window or 0, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
+        v_pool.stride(0), v_pool.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        HEADS=heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), K_DIM=k_dim,
+        BLOCK_DK=triton.next_power_of_2(k_dim), V_DIM=v_dim, BLOCK_DV=block_dv, PAGE=block_size, BLOCK_N=block_n,
+        SPLITS=splits, WINDOWED=window is not None, SINKS=sinks is not None, SOFTCAP=softcap is not None,
         UPCAST=_INTERPRET, PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=num_warps,
         num_stages=num_stages)
     if splits > 1:
-        _combine_kernel[(batch, heads)](part_o, part_ml, out, out.stride(0), out.stride(1), HEADS=heads,
-                                        HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=splits,
-                                        BLOCK_S=max(2, triton.next_power_of_2(splits)))
+        _combine_kernel[(batch, heads)](part_o, part_ml, sink_arg, out, out.stride(0), out.stride(1), HEADS=heads,
+                                        V_DIM=v_dim, BLOCK_DV=block_dv, SPLITS=splits,
+                                        BLOCK_S=max(2, triton.next_power_of_2(splits)), SINKS=sinks is not None)
     return out
 
 

@@ -2,7 +2,9 @@
 recompute, chunked prefill after a prefix-cache hit) through varlen attention over their gathered context.
 
 Where varlen attention is missing (the CPU, torch < 2.9) chunks fall back to the reference's per-request SDPA;
-the decode kernel then runs in Triton's interpreter, which is how the CPU tests exercise it.
+the decode kernel then runs in Triton's interpreter, which is how the CPU tests exercise it. Layers that flash
+cannot run (attention logit softcapping) take the reference for their chunks on the GPU too; attention sinks
+and different key and value widths (MLA) run in both kernels.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import _GQA_KW, _varlen_attn
+from .attention_ops import torch_varlen_attn, varlen_attention, varlen_supported
 from .backend import StepLayout, context_slots, prefill_reference
 from .triton_attention import num_splits, paged_decode
 
@@ -30,9 +32,12 @@ class TritonState:
     max_q: int = 0
     max_k: int = 0
     prefills: list | None = None  # reference fallback: (token start, token end, context slots)
+    spans: list | None = None  # the chunks as (token start, token end, host context slots), for per-layer fallback
 
 
 class TritonPagedBackend:
+    static_decode = True  # decode_state: the CUDA-graph runner's step
+
     def __init__(self, block_size: int, kv_heads: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
                  block_n: int = 64, num_warps: int = 4, num_stages: int = 2):
         self.block_size = block_size
@@ -42,7 +47,7 @@ class TritonPagedBackend:
         self.kernel_args = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
         cuda = self.device.type == "cuda"
         self.multiprocessors = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 8
-        self.varlen = cuda and _varlen_attn is not None  # flash varlen: bf16 and fp16 only (checked per step)
+        self.varlen = cuda and torch_varlen_attn is not None  # flash varlen: bf16 and fp16 only (checked per step)
 
     def splits_for(self, batch: int, max_context: int) -> int:
         return num_splits(batch, self.kv_heads, max_context, self.multiprocessors, self.kernel_args["block_n"])
@@ -73,6 +78,7 @@ class TritonPagedBackend:
             if not self.varlen or self.dtype not in (torch.bfloat16, torch.float16):
                 state.prefills = [(a, b, slots.to(dev)) for a, b, slots in spans]
                 return state
+            state.spans = spans
             state.chunk_rows = torch.cat([torch.arange(a, b) for a, b, _ in spans]).to(dev)
             state.chunk_slots = torch.cat([slots for _, _, slots in spans]).to(dev)
             q_lens = [b - a for a, b, _ in spans]
@@ -83,23 +89,30 @@ class TritonPagedBackend:
         return state
 
     def attend(self, state: TritonState, k_pool: torch.Tensor, v_pool: torch.Tensor, q: torch.Tensor,
-               scale: float, window: int | None) -> torch.Tensor:
+               scale: float, window: int | None, sinks: torch.Tensor | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        layer = dict(sinks=sinks, softcap=softcap)
         if state.decode_rows is None and state.chunk_rows is None and not state.prefills:
-            return self._decode(state, k_pool, v_pool, q, scale, window)
-        out = torch.empty_like(q)
+            return self._decode(state, k_pool, v_pool, q, scale, window, **layer)
+        out = q.new_empty(*q.shape[:-1], v_pool.shape[-1])
         if state.block_tables is not None:
             rows = state.decode_rows
-            out.index_copy_(0, rows, self._decode(state, k_pool, v_pool, q.index_select(0, rows), scale, window))
+            out.index_copy_(0, rows, self._decode(state, k_pool, v_pool, q.index_select(0, rows), scale, window,
+                                                  **layer))
         if state.prefills:
-            prefill_reference(state.prefills, k_pool, v_pool, q, out, scale, window)
+            prefill_reference(state.prefills, k_pool, v_pool, q, out, scale, window, **layer)
         if state.chunk_rows is not None:
             rows, slots = state.chunk_rows, state.chunk_slots
-            o = _varlen_attn(q.index_select(0, rows), k_pool.index_select(0, slots), v_pool.index_select(0, slots),
-                             state.cu_q, state.cu_k, state.max_q, state.max_k, scale=scale,
-                             window_size=(-1 if window is None else window - 1, 0), **_GQA_KW)
-            out.index_copy_(0, rows, o)
+            if varlen_supported(q, k_pool, v_pool, softcap):
+                o = varlen_attention(q.index_select(0, rows), k_pool.index_select(0, slots),
+                                     v_pool.index_select(0, slots), state.cu_q, state.cu_k, state.max_q, state.max_k,
+                                     scale, window, sinks)
+                out.index_copy_(0, rows, o)
+            else:
+                spans = [(a, b, slots.to(q.device)) for a, b, slots in state.spans]
+                prefill_reference(spans, k_pool, v_pool, q, out, scale, window, **layer)
         return out
 
-    def _decode(self, state: TritonState, k_pool, v_pool, q, scale, window) -> torch.Tensor:
+    def _decode(self, state: TritonState, k_pool, v_pool, q, scale, window, sinks, softcap) -> torch.Tensor:
         return paged_decode(q, k_pool, v_pool, state.block_tables, state.context_lens, self.block_size, scale,
-                            window, splits=state.splits, **self.kernel_args)
+                            window, splits=state.splits, sinks=sinks, softcap=softcap, **self.kernel_args)

@@ -28,7 +28,8 @@ class EngineConfig:
     seed: int | None = None
     """Seed of the engine's generator for requests without their own seed."""
     attention: Literal["auto", "torch", "triton"] = "auto"
-    """Paged attention backend. auto: the Triton kernels on CUDA, the pure-PyTorch reference elsewhere."""
+    """The engine's kernels: paged attention, and the sampler of rows without top-k/top-p (the fused one-pass
+    sampler with triton). auto: the Triton kernels on CUDA, the pure-PyTorch reference elsewhere."""
     cuda_graphs: bool = True
     """With the Triton backend, run decode-only steps through CUDA graphs (captured per batch size on first use;
     on the CPU the same static-buffer path runs eagerly)."""

@@ -14,10 +14,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from ..engine import Completion, Engine, SamplingParams
+from ..dist.runtime import ReadyAgreement
+from ..engine import Completion, GenerationEngine, SamplingParams
 from ..engine.seeding import group_seed
 from .advantage import group_advantages
-from .rewards import RewardFn, RewardScorer
+from .rewards import RewardFn, RewardScorer, Scorer
 from .sample import Sample
 
 log = logging.getLogger(__name__)
@@ -63,9 +64,14 @@ class _Group:
 
 
 class RolloutLoop:
-    def __init__(self, engine: Engine, tokenizer, rows: list[dict], reward_fns: list[tuple[RewardFn, float]],
-                 cfg: RolloutConfig, stop_token_ids: list[int] | None = None, seed: int = 0,
-                 system_prompt: str | None = None, max_sample_tokens: int | None = None):
+    """``scorer`` scores the completions (None: a ``RewardScorer`` of ``reward_fns``; under tensor parallelism one
+    that scores on rank 0 for all ranks); ``agreement`` makes data-parallel replicas train together (None: this
+    loop alone)."""
+
+    def __init__(self, engine: GenerationEngine, tokenizer, rows: list[dict],
+                 reward_fns: list[tuple[RewardFn, float]], cfg: RolloutConfig, stop_token_ids: list[int] | None = None,
+                 seed: int = 0, system_prompt: str | None = None, max_sample_tokens: int | None = None, *,
+                 scorer: Scorer | None = None, agreement: ReadyAgreement | None = None):
         if not rows:
             raise ValueError("no prompts to roll out")
         self.engine, self.tokenizer, self.rows, self.cfg = engine, tokenizer, rows, cfg
@@ -73,10 +79,8 @@ class RolloutLoop:
         # The trainer's packed row: a sample (prompt and completion) never outgrows it. A longer prompt's completion
         # is cut short (finish "length"); a prompt that fills the row is skipped and counted.
         self.max_sample_tokens = max_sample_tokens
-        # self.scorer may come to wrap it (tensor parallelism scores on rank 0 only); the failure counts live here
-        self.local_scorer = RewardScorer(reward_fns)
-        self.scorer = self.local_scorer
-        self.agreement = None  # data-parallel replicas: set by unison.train.loop
+        self.scorer = scorer or RewardScorer(reward_fns)
+        self.agreement = agreement
         self.params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                      top_p=cfg.top_p, top_k=cfg.top_k, n=cfg.group_size,
                                      stop_token_ids=stop_token_ids)
@@ -86,7 +90,7 @@ class RolloutLoop:
         self.seed_rng = random.Random(f"{seed}/sampling")
         self.order: list[int] = []
         self.epoch = 0
-        self.groups: dict[str, _Group] = {}
+        self.in_engine: dict[str, _Group] = {}  # request id (as submit returned it) -> its group
         self.ready: list[Sample] = []
         self.counts = Counter()
         self.window: dict[str, list[float]] = {"reward": [], "length": [], "truncated": []}
@@ -97,8 +101,8 @@ class RolloutLoop:
     def next_batch(self, trainer_version: int) -> tuple[list[Sample], dict[str, float]]:
         """Step the engine until ``samples_per_step`` fresh scored samples are ready; return them and metrics.
 
-        With data-parallel replicas (``self.agreement``, a ``unison.dist.runtime.ReadyAgreement``)
-        ``samples_per_step`` counts the samples of all of them, and this replica returns its agreed share."""
+        With data-parallel replicas (``self.agreement``) ``samples_per_step`` counts the samples of all of them, and
+        this replica returns its agreed share."""
         t0 = time.perf_counter()
         start_epoch, engine_steps = self.epoch, 0
         while True:
@@ -138,10 +142,9 @@ class RolloutLoop:
     def _no_batch(self) -> str:
         # Missing rewards first: a reward function that always fails (or never applies) leaves every group with
         # fewer than two scored, which alone would read as rewards without spread.
-        if self.scorer is not self.local_scorer and not self.local_scorer.scored:  # tensor parallelism: rank 0 scores
+        missing = self.scorer.missing_report()
+        if missing is None:  # tensor parallelism: rank 0 scores
             missing = "the rewards were scored on another rank, whose error names any that were missing"
-        else:
-            missing = self.local_scorer.missing_report()
         return (f"two passes over the prompts gave no batch: {missing + '; ' if missing else ''}"
                 f"{self.counts['zero_std_groups']} groups so far had rewards without spread (all equal, or fewer than "
                 "two scored), which carry no signal")
@@ -164,7 +167,7 @@ class RolloutLoop:
 
     @property
     def in_flight(self) -> int:
-        return sum(group.pending for group in self.groups.values())
+        return len(self.in_engine)
 
     def _fill(self) -> None:
         skipped_in_a_row = 0
@@ -179,13 +182,12 @@ class RolloutLoop:
                 log.warning("skipping a prompt: %s", e)
                 skipped_in_a_row += 1
                 if skipped_in_a_row >= len(self.rows):  # a whole pass without a usable prompt
-                    if not self.groups:
+                    if not self.in_engine:
                         raise RuntimeError(f"no prompt can be rolled out; the last was skipped because: {e}") from e
                     return
                 continue
             skipped_in_a_row = 0
-            group_id = request_ids[0].rsplit("-", 1)[0]
-            self.groups[group_id] = _Group(row, text, len(request_ids), [])
+            self.in_engine.update(dict.fromkeys(request_ids, _Group(row, text, len(request_ids), [])))
 
     def _params_for(self, prompt_tokens: int) -> SamplingParams:
         params = dataclasses.replace(self.params, seed=group_seed(self.seed_rng))
@@ -211,15 +213,15 @@ class RolloutLoop:
         """Score what one engine step finished (in one call: one collective under tensor parallelism), then file
         each completion with its group."""
         finished = [c for c in completions if c.finish_reason != "abort" and c.token_ids]
-        rows = [self.groups[c.group_id].row for c in finished]
+        rows = [self.in_engine[c.request_id].row for c in finished]
         keys = dict.fromkeys(k for row in rows for k in row if k != "prompt")
         columns = {k: [row.get(k) for row in rows] for k in keys}
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in finished]
-        prompts = [self.groups[c.group_id].prompt_text for c in finished]
+        prompts = [self.in_engine[c.request_id].prompt_text for c in finished]
         scored = self.scorer.score(prompts, texts, columns) if finished else []
         scores = dict(zip((c.request_id for c in finished), scored, strict=True))
         for completion in completions:
-            group = self.groups[completion.group_id]
+            group = self.in_engine.pop(completion.request_id)
             group.pending -= 1
             if completion.request_id not in scores:  # aborted, or finished without a token
                 self.counts["aborted"] += 1
@@ -236,10 +238,9 @@ class RolloutLoop:
                         self.window_parts.setdefault(name, []).append(value)
                 self.gen_tokens += len(completion.token_ids)
             if group.pending == 0:
-                self._close(completion.group_id)
+                self._close(group, completion.group_id)
 
-    def _close(self, group_id: str) -> None:
-        group = self.groups.pop(group_id)
+    def _close(self, group: _Group, group_id: str) -> None:
         scored = [(c, r) for c, r in group.landed if r is not None]
         advantages = group_advantages([r for _, r in scored], self.cfg.advantage_eps)
         if advantages is None:
@@ -276,8 +277,8 @@ class RolloutLoop:
             m[f"reward/{name}"] = mean(values)
         for name in ("zero_std_groups", "groups", "skipped_prompts", "missing_reward", "stale_samples", "aborted"):
             m[f"rollout/{name}"] = float(self.counts[name])
-        for name in self.local_scorer.names:  # completions each reward function failed to score, so far
-            m[f"reward/failed/{name}"] = float(self.local_scorer.missing[name])
+        for name in self.scorer.names:  # completions each reward function failed to score, so far
+            m[f"reward/failed/{name}"] = float(self.scorer.missing[name])
         self.window = {k: [] for k in self.window}
         self.window_parts = {}
         self.gen_tokens, self.gen_time = 0, 0.0

@@ -27,6 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,24 @@ LOG_FIRST_FAILURES = 3
 SUMMARY_EVERY_S = 60.0
 """At most one summary line per reward function this often: a verifier that always fails would otherwise log
 every completion of a long run (thousands of lines a step, each of them alike)."""
+
+
+class Scorer(Protocol):
+    """What the rollout loop scores with: a ``RewardScorer``, or one that runs it elsewhere and shares the results
+    (``unison.dist.tensor_parallel.BroadcastScorer``: rank 0 scores for its tensor-parallel ranks)."""
+
+    names: list[str]
+    """The reward functions' names, in order."""
+    missing: Counter
+    """Reward function name -> completions it failed to score so far, as far as this process knows."""
+
+    def score(self, prompts: list[str], completions: list[str], columns: dict[str, list]
+              ) -> list[tuple[float | None, dict[str, float]]]:
+        """Per completion: the weighted reward (None where none can be given) and each function's value."""
+
+    def missing_report(self) -> str | None:
+        """Why completions got no reward so far, "" if every one got one (``RewardScorer.missing_report``); None
+        where another process scores, whose report it is."""
 
 
 @dataclass(frozen=True)

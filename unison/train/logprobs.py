@@ -5,7 +5,8 @@ at a time: full [T, vocab] fp32 logits for a 16k-token row of a 152k-vocab model
 a 1024-row chunk takes ~0.6 GB. The backward recomputes each chunk's logits rather than storing them.
 
 The quantity is log softmax(logits / temperature) of the target token over the full vocabulary: the
-same processed logprob the engine reports when top_p = 1 and top_k = 0.
+same processed logprob the engine reports when top_p = 1 and top_k = 0. The logits are the model's own, head
+transform included (Gemma2's softcap, Granite's logits_scaling, ...: ``unison.engine.lm_head``), with its gradient.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from unison.engine.attention import NO_MASK
-from unison.engine.lm_head import check_plain_lm_head, decoder_of, lm_head_fp32
+from unison.engine.lm_head import IDENTITY, HeadTransform, decoder_of, lm_head_fp32, lm_head_of
 from unison.train.packing import PackedRow
 
 
@@ -25,7 +26,7 @@ def policy_logprobs(model: torch.nn.Module, row: PackedRow, temperature: float =
     model's device. Returns (logprobs: (M,) float32, differentiable w.r.t. the model's parameters;
     entropy: (M,) float32 of softmax(logits / temperature), detached, or None unless ``with_entropy``).
     """
-    check_plain_lm_head(model)
+    head = lm_head_of(model)
     decoder = decoder_of(model)
     hidden = decoder(
         input_ids=row.input_ids,
@@ -40,14 +41,13 @@ def policy_logprobs(model: torch.nn.Module, row: PackedRow, temperature: float =
     positions = row.loss_mask.nonzero().squeeze(1)
     selected = hidden[0].index_select(0, positions)  # (M, H)
     targets = row.targets.index_select(0, positions)
-    weight = model.get_output_embeddings().weight
-    return chunked_logprobs(selected, weight, targets, temperature, chunk_size, with_entropy)
+    return chunked_logprobs(selected, head.weight, targets, temperature, chunk_size, with_entropy, head.transform)
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                     temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(hidden @ weight.T / temperature)[targets], ``chunk_size`` rows at a time.
+                     temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
+                     transform: HeadTransform = IDENTITY) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(transform(hidden @ weight.T) / temperature)[targets], ``chunk_size`` rows at a time.
 
     hidden: (M, H) in weight's dtype; weight: (V, H); targets: (M,) int64. Returns (logprobs: (M,)
     float32, entropy: (M,) float32 detached or None). Gradients flow to ``hidden`` and ``weight``; a
@@ -58,7 +58,7 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     logp, entropy = _ChunkedLogprobs.apply(hidden, weight, targets, 1.0 / temperature, chunk_size,
-                                           with_entropy)
+                                           with_entropy, transform)
     return logp, (entropy if with_entropy else None)
 
 
@@ -70,14 +70,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_temp, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, targets, inv_temp, chunk_size, with_entropy, transform):
         m = hidden.shape[0]
         logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
         for start in range(0, m, chunk_size):
             end = min(start + chunk_size, m)
-            z = _scaled_logits(hidden[start:end], weight, inv_temp)  # (c, V) float32
+            z = _scaled_logits(hidden[start:end], weight, inv_temp, transform)  # (c, V) float32
             chunk_lse = torch.logsumexp(z, dim=-1)
             lse[start:end] = chunk_lse
             logp[start:end] = z.gather(1, targets[start:end, None]).squeeze(1) - chunk_lse
@@ -85,7 +85,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 log_probs = z - chunk_lse[:, None]  # not lse - sum(p * z): that cancels at large logits
                 entropy[start:end] = -(log_probs.exp() * log_probs).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.inv_temp, ctx.chunk_size = inv_temp, chunk_size
+        ctx.inv_temp, ctx.chunk_size, ctx.transform = inv_temp, chunk_size, transform
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -94,39 +94,46 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_logp is None or not (need_h or need_w):
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         grad_h = torch.empty_like(hidden) if need_h else None
         # One fp32 accumulator across chunks: summing bf16 partial products would round each chunk.
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
             h = hidden[start:end]
-            z = _scaled_logits(h, weight, ctx.inv_temp)
+            z = _scaled_logits(h, weight, ctx.inv_temp, ctx.transform)
             g = grad_logp[start:end].float()
-            # d logp / d z = onehot(target) - softmax(z); the 1/T of z = logits / T goes into the scale.
+            # d logp / d z = onehot(target) - softmax(z), z = transform(x) / T: the transform's chain rule, the 1/T
+            # included, takes it back to the raw logits x = h @ W.T.
             dz = torch.exp(z - lse[start:end, None]).mul_(-g[:, None])
             dz.scatter_add_(1, targets[start:end, None], g[:, None])
-            dlogits = dz.mul_(ctx.inv_temp).to(weight.dtype)  # (c, V)
+            dlogits = ctx.transform.backward_(dz, z, ctx.inv_temp).to(weight.dtype)  # (c, V)
             if need_h:
                 grad_h[start:end] = dlogits @ weight
             if need_w:
                 grad_w += (dlogits.T @ h).float()
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
 
 
-def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, inv_temp: float) -> torch.Tensor:
-    """hidden: (c, H); weight: (V, H). Returns (c, V) float32 logits / temperature."""
-    return lm_head_fp32(hidden, weight).mul_(inv_temp)
+def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, inv_temp: float,
+                   transform: HeadTransform) -> torch.Tensor:
+    """hidden: (c, H); weight: (V, H). Returns (c, V) float32 transform(logits) / temperature."""
+    return transform.apply_(lm_head_fp32(hidden, weight), inv_temp)
 
 
 def full_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                            temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plain full-logits computation ``chunked_logprobs`` must equal (for tests; O(M x V) memory).
+                            temperature: float = 1.0, transform: HeadTransform = IDENTITY
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain full-logits computation ``chunked_logprobs`` must equal (for tests; O(M x V) memory), its
+    gradient by autograd.
 
     hidden: (M, H); weight: (V, H); targets: (M,) int64. Returns (logprobs: (M,) float32, entropy: (M,)
     float32), both differentiable.
     """
-    log_probs = torch.log_softmax(lm_head_fp32(hidden, weight) / temperature, dim=-1)
+    logits = lm_head_fp32(hidden, weight) * transform.scale
+    if transform.softcap is not None:
+        logits = torch.tanh(logits / transform.softcap) * transform.softcap
+    log_probs = torch.log_softmax(logits / temperature, dim=-1)
     logp = log_probs.gather(1, targets[:, None]).squeeze(1)
     entropy = -(log_probs.exp() * log_probs).sum(-1)
     return logp, entropy

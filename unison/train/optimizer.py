@@ -21,8 +21,9 @@ from typing import Literal
 import torch
 
 from ..config import check_literals
-from ..dist.runtime import Replica, local
-from ..dist.tensor_parallel import TensorParallel, partial_grad_names
+from ..dist.runtime import local
+from ..dist.tensor_parallel import partial_grad_names
+from ..dist.topology import Topology
 from .adamw import adamw_step
 from .ownership import Ownership
 from .state_store import DeviceStore, HostStore, StateStore, Update
@@ -199,16 +200,17 @@ def trainable(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> dict[st
 
 
 def build_optimizer(model_or_named_params: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]],
-                    cfg: OptimConfig, total_steps: int, tp: TensorParallel | None = None,
-                    replica: Replica | None = None) -> MasterAdamW:
-    """The run's optimizer: its state where ``cfg.placement`` says, owned as the topology says (``tp``: this rank's
-    tensor-parallel group, which needs the model itself, whose plan names the partial-gradient norms; ``replica``:
-    its data-parallel replicas, which split the state between them).
+                    cfg: OptimConfig, total_steps: int, topology: Topology | None = None) -> MasterAdamW:
+    """The run's optimizer: its state where ``cfg.placement`` says, owned as ``topology`` says (its tensor-parallel
+    group steps the local shards, which needs the model itself, whose plan names the partial-gradient norms; its
+    data-parallel replicas split the state between them).
 
     >>> opt = build_optimizer(torch.nn.Linear(4, 2), OptimConfig(placement="host"), total_steps=10)
     >>> type(opt.store).__name__, opt.ownership.owner is None
     ('HostStore', True)
     """
+    tp = topology.tp if topology is not None else None
+    dp = topology.dp if topology is not None else None
     if isinstance(model_or_named_params, torch.nn.Module):
         named = model_or_named_params.named_parameters()
         partial = partial_grad_names(model_or_named_params) if tp is not None else ()
@@ -220,4 +222,4 @@ def build_optimizer(model_or_named_params: torch.nn.Module | Iterable[tuple[str,
     params = trainable(named)
     store = HostStore() if cfg.placement == "host" else DeviceStore()
     return MasterAdamW(params.items(), cfg, total_steps, store=store,
-                       ownership=Ownership(params, dp=replica, tp=tp, partial=partial))
+                       ownership=Ownership(params, dp=dp, tp=tp, partial=partial))

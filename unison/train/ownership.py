@@ -20,13 +20,14 @@ from torch.distributed.tensor import DTensor
 
 from ..bits import changed_bits
 from ..dist.data_parallel import all_reduce_grads, assign_owners
-from ..dist.runtime import Replica, local
+from ..dist.runtime import local
+from ..dist.topology import Ranks
 from .adamw import global_grad_norm
 
 
 class Ownership:
-    def __init__(self, params: dict[str, torch.nn.Parameter] | None = None, dp: Replica | None = None,
-                 tp: Replica | None = None, partial: Iterable[str] = ()):
+    def __init__(self, params: dict[str, torch.nn.Parameter] | None = None, dp: Ranks | None = None,
+                 tp: Ranks | None = None, partial: Iterable[str] = ()):
         self.dp, self.tp = dp, tp
         self.owner = assign_owners(list(params.items()), dp.world) if dp is not None else None
         self.partial = sorted(partial)

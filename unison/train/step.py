@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 
 from ..dist.data_parallel import all_reduce_grads, global_sum
+from ..dist.tensor_parallel import local_forward
+from ..dist.topology import Topology
 from ..engine.attention import ATTN_NAME, NO_MASK
 from ..engine.lm_head import decoder_of
 from ..rollout.sample import Sample
@@ -19,25 +21,24 @@ from .packing import pack_samples
 
 def train_step(model: torch.nn.Module, optimizer: MasterAdamW, samples: list[Sample], loss_cfg: LossConfig,
                temperature: float, max_tokens_per_row: int, pad_id: int, logprob_chunk: int,
-               activation_checkpointing: bool = False, dp_group=None) -> dict[str, float]:
+               activation_checkpointing: bool = False, topology: Topology | None = None) -> dict[str, float]:
     """Forward and backward over every packed row (one micro-batch each), then one optimizer step.
 
     The loss is normalised by the completion tokens of the whole step, so micro-batching does not change the
-    update. The engine is paused simply by not being stepped meanwhile. With ``dp_group`` (data parallel) each
-    replica trains its own samples: the normalisation counts every replica's tokens and the gradients are summed
-    across replicas once, before the optimizer step, so N replicas make the update one process would make on
-    all their samples.
+    update. The engine is paused simply by not being stepped meanwhile. With data-parallel replicas in
+    ``topology`` each trains its own samples: the normalisation counts every replica's tokens and the gradients
+    are summed across replicas once, before the optimizer step, so N replicas make the update one process would
+    make on all their samples. With tensor parallelism the forwards run on the local shards.
     """
     device = next(model.parameters()).device
+    dp_group = topology.dp.group if topology is not None and topology.dp is not None else None
     rows = pack_samples(samples, max_tokens_per_row, pad_id)
     local_tokens = sum(len(s.completion_ids) for s in samples)
     num_loss_tokens = int(global_sum(local_tokens, dp_group, device)) if dp_group is not None else local_tokens
     acc = MetricAccumulator()
     total_loss = 0.0
     # Under tensor parallelism: the local shards with explicit collectives (unison.dist.tensor_parallel).
-    local_forward = getattr(model, "unison_local_forward", None)
-    with checkpointed_layers(model, activation_checkpointing), \
-            local_forward(train=True) if local_forward is not None else nullcontext():
+    with checkpointed_layers(model, activation_checkpointing), local_forward(model, topology)(train=True):
         for row in rows:
             row = row.to(device)
             logprobs, _ = policy_logprobs(model, row, temperature=temperature or 1.0, chunk_size=logprob_chunk)

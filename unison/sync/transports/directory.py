@@ -1,12 +1,9 @@
-"""How patches travel: a directory any fsspec URL names (a local path, ``s3://...``), or a ``torch.distributed``
-process group that the trainer and the servers share (gloo on CPU, NCCL on GPU).
+"""``sync.transport=fsspec``: a directory any fsspec URL names (a local path, ``s3://...``), that the trainer writes
+and the servers poll.
 
-Directory: the trainer writes ``<version>.patch`` / ``<version>.anchor`` under a temporary name and renames it
-into place, so a reader never sees half a file (its restart anchor first clears what a previous run left); a
-server that needs an anchor drops a file under ``requests/``, and the trainer answers with an anchor at its next
-sync. Process group: each sync the trainer broadcasts the patch, every rank then reports (an all-reduce of flags)
-whether it needs an anchor (or refused what came: it is behind), and if any does the trainer broadcasts one at
-once: every rank issues the same collectives in the same order.
+The trainer writes ``<version>.patch`` / ``<version>.anchor`` under a temporary name and renames it into place, so a
+reader never sees half a file (its restart anchor first clears what a previous run left); a server that needs an
+anchor drops a file under ``requests/``, and the trainer answers with an anchor at its next sync.
 """
 
 from __future__ import annotations
@@ -14,24 +11,57 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import fsspec
-import torch
-import torch.distributed as dist
 
-from .codec import Framed, Patch, frame, peek_metadata
-from .receiver import Receiver
+from ..codec import Patch, encode, peek_metadata
+from ..receiver import Receiver
 
 log = logging.getLogger(__name__)
 
 
-class DirectoryPublisher:
+@dataclass
+class FsspecConfig:
+    url: str = ""
+    """The directory (any fsspec URL: a local path, ``s3://bucket/dir``) the trainer writes patches to and the
+    servers poll: the same on both sides."""
+
+
+class DirectorySender:
+    """The trainer's side: each patch a file, each server's anchor request a file under ``requests/``."""
+
+    to_host = True
+
     def __init__(self, url: str, keep: int = 16):
         self.fs, self.root = fsspec.core.url_to_fs(url)
         self.keep = keep
         self.fs.makedirs(f"{self.root}/requests", exist_ok=True)
         self.warned: set[str] = set()
+        self.answered = False  # the newest file is an anchor: it answers the requests read next
+
+    def send(self, patch: Patch) -> int:
+        blob = encode(patch)
+        self.publish(blob, patch.version, patch.anchor, restart=patch.restart)
+        return len(blob)
+
+    def needs_anchor(self) -> list[str]:
+        """The servers that asked for an anchor since the last call (their requests are consumed); none right after
+        an anchor, which answers them already."""
+        requests = plain_files(self.fs, f"{self.root}/requests", self.warned)
+        for r in requests:
+            self._remove(r["name"])
+        answered, self.answered = self.answered, False
+        return [] if answered else [r["name"].rsplit("/", 1)[-1] for r in requests]
+
+    def send_anchor(self, anchor: Patch, receivers: list[str]) -> int:
+        """One anchor file, for every server that asked."""
+        self.send(anchor)
+        return 1
+
+    def close(self) -> None:
+        """Nothing to end: the files stay for a server that starts later."""
 
     def publish(self, blob: bytes, version: int, anchor: bool, restart: bool = False) -> str:
         """Write ``<version>.patch`` / ``.anchor``. ``restart`` (the trainer's first anchor): first remove what a
@@ -45,14 +75,8 @@ class DirectoryPublisher:
             f.write(blob)
         self.fs.mv(tmp, path)
         self._prune()
+        self.answered = anchor
         return path
-
-    def anchor_requested(self) -> bool:
-        """Whether a server asked for an anchor since the last call (the requests are consumed)."""
-        requests = plain_files(self.fs, f"{self.root}/requests", self.warned)
-        for r in requests:
-            self._remove(r["name"])
-        return bool(requests)
 
     def _prune(self) -> None:
         files = [e.path for e in patch_files(self.fs, self.root, self.warned)]
@@ -121,8 +145,8 @@ def _is_file(entry: dict, warned: set[str]) -> bool:
     return False
 
 
-class DirectorySubscriber:
-    """Applies what the publisher wrote since the receiver's version; asks for an anchor when it needs one.
+class DirectorySource:
+    """Applies what the trainer wrote since the receiver's version; asks for an anchor when it needs one.
 
     A file the receiver refused is not read again unless it is rewritten (a new modification stamp); one that
     cannot be read (permissions, gone between the listing and the read) is retried at each poll, and an anchor asked
@@ -221,80 +245,3 @@ class DirectorySubscriber:
                       self.root, e)
 
 
-class DistChannel:
-    """One sync round over a process group: ``send`` on the trainer (rank ``src``), ``receive`` on every server.
-    ``close`` (trainer) ends the servers' receive loops."""
-
-    def __init__(self, src: int = 0, group=None, device: torch.device | str = "cpu"):
-        self.src, self.group, self.device = src, group, torch.device(device)
-
-    def send(self, blob: bytes | Patch | Framed, anchor=None) -> bool:
-        """Broadcast ``blob`` (a patch goes device to device); if any server then needs an anchor, broadcast
-        ``anchor`` (bytes or a patch, or a callable producing one). Returns whether an anchor was sent."""
-        self.broadcast(blob)
-        if not self.anyone_needs_anchor(False):
-            return False
-        self.broadcast(anchor() if callable(anchor) else anchor)
-        if self.anyone_needs_anchor(False):
-            raise RuntimeError("a server still needs an anchor after receiving one")
-        return True
-
-    def close(self) -> None:
-        self.broadcast(None, closing=True)
-
-    def receive(self, receiver: Receiver, apply=None) -> bool:
-        """Take one sync round: apply the patch (``apply(blob)``, by default ``receiver.receive``: whether it was
-        applied), report whether an anchor is needed, apply it if one comes. A refused patch asks for one too: the
-        trainer broadcast it, so this server is now behind. False when the trainer closed the channel."""
-        apply = apply or receiver.receive
-        blob = self.broadcast(None)
-        if blob is None:
-            return False
-        applied = apply(blob)
-        if self.anyone_needs_anchor(receiver.needs_anchor or applied is False):
-            apply(self.broadcast(None))
-            self.anyone_needs_anchor(receiver.needs_anchor)
-        return True
-
-    def broadcast(self, payload: bytes | Patch | Framed | None, closing: bool = False) -> bytes | Framed | None:
-        """The sender (rank ``src``) passes ``payload``, the others None; every rank returns what was sent: bytes,
-        or a patch as ``Framed`` with its parts on this channel's device (moved device to device, one tensor at a
-        time: NCCL on GPUs). None once the sender closed the channel.
-
-        On the wire: [kind, number of parts], the parts' lengths, then each part; bytes are one part, a framed
-        patch its header and then its tensors."""
-        sending = payload is not None
-        if isinstance(payload, Patch):
-            payload = frame(payload)
-        framed = isinstance(payload, Framed)
-        if framed:
-            parts = [self._tensor(payload.header), *(part.to(self.device) for part in payload.parts)]
-        else:
-            parts = [self._tensor(payload)] if sending else []
-        head = torch.tensor([-1 if closing else int(framed), len(parts)], dtype=torch.int64, device=self.device)
-        dist.broadcast(head, self.src, group=self.group)
-        kind, count = head.tolist()
-        if kind < 0:
-            return None
-        lengths = torch.tensor([part.numel() for part in parts] if sending else [0] * count, dtype=torch.int64,
-                               device=self.device)
-        dist.broadcast(lengths, self.src, group=self.group)
-        if not sending:
-            parts = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in lengths.tolist()]
-        for part in parts:
-            if part.numel():
-                dist.broadcast(part, self.src, group=self.group)
-        if sending:
-            return payload
-        if kind == 1:
-            return Framed(parts[0].cpu().numpy().tobytes(), parts[1:])
-        return parts[0].cpu().numpy().tobytes()
-
-    def _tensor(self, blob: bytes) -> torch.Tensor:
-        t = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
-        return t.to(self.device)
-
-    def anyone_needs_anchor(self, mine: bool) -> bool:
-        flag = torch.tensor([int(mine)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())

@@ -1,0 +1,52 @@
+"""Sinks, MLA widths and softcapping at bf16 on a CUDA GPU, whole models: the engine's logprobs and the packed
+training forward sit at the bf16 floor, i.e. no further from an fp32 eager forward of the same weights than a
+plain bf16 eager forward is (run on the GPU machine: ``pytest -m gpu``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from arch_models import tiny
+from conftest import random_prompts, teacher_forced_logprobs
+
+from unison.engine import NO_MASK, Engine, EngineConfig, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3", "gemma2"])
+def test_engine_and_packed_forward_at_the_bf16_floor(family):
+    model, eager = tiny(family)
+    ref32 = eager.cuda()
+    eager16 = copy.deepcopy(eager).to(torch.bfloat16)
+    model = model.to("cuda", torch.bfloat16)
+    engine = Engine(model, EngineConfig(num_blocks=64, block_size=16, max_batch_tokens=64, seed=0))
+    assert type(engine.backend).__name__ == "TritonPagedBackend"
+    done = engine.generate(random_prompts([7, 40, 100], seed=8), SamplingParams(max_new_tokens=24, n=2,
+                                                                                 stop_token_ids=()))
+    gap, floor = [], []
+    for c in done:
+        ref = teacher_forced_logprobs(ref32, c.prompt_ids, c.token_ids)
+        gap.append((torch.tensor(c.logprobs) - ref).abs())
+        floor.append((teacher_forced_logprobs(eager16, c.prompt_ids, c.token_ids) - ref).abs())
+    gap, floor = torch.cat(gap), torch.cat(floor)
+    print(f"{family} engine logprobs vs fp32 eager: mean {gap.mean():.2e} max {gap.max():.2e}; "
+          f"bf16 eager: mean {floor.mean():.2e} max {floor.max():.2e}")
+    assert gap.mean() <= 2 * floor.mean() + 1e-3
+
+    lengths = [60, 1, 130, 33]
+    ids = torch.randint(3, 256, (1, sum(lengths)), device="cuda")
+    pos = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    with torch.no_grad():
+        packed = model(ids, position_ids=pos, attention_mask=NO_MASK, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                       max_length_q=max(lengths), max_length_k=max(lengths), use_cache=False).logits[0].float()
+        bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True))
+        ref = torch.cat([ref32(ids[:, a:b]).logits[0] for a, b in bounds])
+        plain = torch.cat([eager16(ids[:, a:b]).logits[0].float() for a, b in bounds])
+    gap, floor = (packed - ref).abs(), (plain - ref).abs()
+    print(f"{family} packed logits vs fp32 eager: mean {gap.mean():.2e} max {gap.max():.2e}; "
+          f"bf16 eager: mean {floor.mean():.2e} max {floor.max():.2e}")
+    assert gap.mean() <= 2 * floor.mean() + 1e-3

@@ -1,0 +1,95 @@
+"""The parity guard passes what unison computes exactly and refuses, naming the class and the gap, a model with a
+feature unison lacks: an attention bias its attention function ignores, Mamba layers, an unknown head transform."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_llama, tiny_qwen3
+from test_head_transforms import COMMON, DoubledLogits, build
+from transformers import GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import (
+    ALL_ATTENTION_FUNCTIONS,
+    LlamaAttention,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+
+from unison.engine import EngineConfig
+from unison.parity import ParityError, check_parity
+
+
+def gpt_oss() -> torch.nn.Module:  # attention sinks
+    torch.manual_seed(0)
+    cfg = GptOssConfig(**COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8)
+    return GptOssForCausalLM._from_config(cfg, attn_implementation="unison", dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen3, lambda: build("Gemma3"), lambda: build("Granite"),
+                                  lambda: build("Cohere2"), lambda: build("Gemma2", attn_logit_softcapping=5.0),
+                                  gpt_oss],
+                         ids=["llama", "qwen3", "gemma3", "granite", "cohere2", "gemma2-attn-softcap", "gpt-oss"])
+def test_guard_passes_what_unison_computes_exactly(make):
+    model = make().train()  # the guard scores in eval mode and gives the mode back
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    report = check_parity(model, EngineConfig(block_size=4))
+    assert report.model == type(model).__name__ and report.dtype == "float32" and report.tokens == 3 * 2 * 8
+    assert max(report.engine_max, report.trainer_max) < 1e-4  # fp32 on the CPU: ~1e-6
+    assert model.training and model.config._attn_implementation == "unison"
+    for name, p in model.named_parameters():
+        assert torch.equal(p, params[name]), name
+
+
+def alibi_eager(module, query, key, value, attention_mask, alibi_slope: float, **kwargs):
+    """transformers' eager attention plus a linear distance penalty on the scores (ALiBi)."""
+    pos = torch.arange(key.shape[2])
+    bias = (alibi_slope * (pos[None, :] - pos[:, None])).to(query.dtype)[-query.shape[2]:]
+    return eager_attention_forward(module, query, key, value, attention_mask + bias, **kwargs)
+
+
+class AlibiAttention(LlamaAttention):
+    """Llama attention with a bias that only the model's own eager function applies; unison's attention function
+    ignores the keyword, as it ignored GptOss's sinks (issue 18): engine and trainer agree, and both are wrong."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        assert cache is None
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q, k, v = (proj(hidden_states).view(shape).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        impl = self.config._attn_implementation
+        attend = alibi_eager if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
+        out, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling, dropout=0.0, alibi_slope=0.5,
+                              **kwargs)
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+
+
+def test_guard_refuses_an_attention_feature_unison_lacks():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(LlamaConfig(**COMMON), attn_implementation="unison",
+                                          dtype=torch.float32).eval()
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = AlibiAttention
+    with pytest.raises(ParityError, match=r"LlamaForCausalLM .* in the engine by mean [0-9.e-]+, max [0-9.e-]+ nats; "
+                                          r"the packed training forward by mean"):
+        check_parity(model)
+    assert model.config._attn_implementation == "unison"  # given back after the reference forward
+
+
+def test_guard_refuses_mamba_layers():
+    # FalconH1's head is exact (tests/test_head_transforms.py), but its Mamba layers keep no per-request state in
+    # the engine and run across a packed row's samples: 0.4 nats off on average here.
+    with pytest.raises(ParityError, match="FalconH1ForCausalLM"):
+        check_parity(build("FalconH1"))
+
+
+def test_guard_refuses_an_unknown_head_transform():
+    torch.manual_seed(0)
+    model = DoubledLogits._from_config(LlamaConfig(**COMMON), attn_implementation="unison", dtype=torch.float32)
+    with pytest.raises(ValueError, match="DoubledLogits.forward changes its logits"):
+        check_parity(model)
+
+
+def test_guard_in_bf16_sits_within_its_tolerance():
+    report = check_parity(tiny_llama(dtype=torch.bfloat16))
+    assert report.dtype == "bfloat16" and report.tolerance == (0.1, 2.0)
+    assert report.engine_mean < report.tolerance[0] / 4 and report.trainer_mean < report.tolerance[0] / 4

@@ -1,0 +1,142 @@
+"""The run's parts, made from the config once: topology, policy, optimizer, engine (or the remote one and the weight
+publisher), memory plan, rollout loop, resumed state, metrics writer. ``unison.train.loop.train`` is then the loop
+alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+from dataclasses import dataclass
+
+import torch
+
+from ..dist.runtime import ReadyAgreement
+from ..dist.tensor_parallel import BroadcastScorer
+from ..dist.topology import Topology, init_topology
+from ..engine import Engine, EngineConfig
+from ..metrics import MetricsWriter, NullMetricsWriter
+from ..models import load_policy, model_device, model_dtype, stop_token_ids
+from ..parity import check_parity
+from ..rollout.loop import RolloutLoop, encode_prompt
+from ..rollout.remote import RemoteEngine
+from ..rollout.rewards import RewardScorer
+from ..sync.auth import resolve_token
+from ..sync.publisher import WeightPublisher
+from ..tasks import Task, load_task
+from .config import TrainConfig
+from .memory import MemoryPlan, auto_row_tokens, kv_blocks_for, plan_memory
+from .optimizer import MasterAdamW, build_optimizer
+from .resume import load_resume_state, restore, run_record
+from .run_dir import check_run_dir, start_run
+from .step import check_packed_attention
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """Everything ``train()`` steps, and what it needs to step it."""
+    cfg: TrainConfig
+    topology: Topology
+    model: torch.nn.Module
+    tokenizer: object
+    optimizer: MasterAdamW
+    engine: Engine | RemoteEngine
+    publisher: WeightPublisher | None  # generation on `unison serve` servers: the weights go out as patches
+    rollout: RolloutLoop
+    writer: MetricsWriter | NullMetricsWriter  # rank 0 writes the metrics
+    plan: MemoryPlan
+    row_tokens: int  # the packed training row
+    pad_id: int
+    lend: bool  # the engine's KV memory is lent to each training step
+    record: dict  # saved with each trainer state, for a resume to check against (unison.train.resume.run_record)
+    start: int  # the first step to run (after a resume, the one after the checkpoint's)
+
+
+def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
+    """Make the run's parts from ``cfg`` (``task`` replaces the one ``cfg.data`` describes). Everything that can
+    refuse the run (the output folder, the resumed checkpoint, the model's attention) does so before the first
+    rollout."""
+    topology = init_topology(cfg.dist.tp, cfg.dist.timeout_s, model_device(cfg.model.device))
+    if topology.scaled_out and cfg.sync.mode != "colocated":
+        raise ValueError("data-parallel replicas and tensor parallelism run colocated for now")
+    check_run_dir(cfg, topology.is_main, topology.scaled_out)  # fails fast: before the model loads
+    saved = load_resume_state(cfg, topology.rank, topology.world) if cfg.resume else None
+    seed = cfg.seed + (topology.dp.rank if topology.dp is not None else 0)  # each replica rolls out its own prompts
+    random.seed(seed)
+    torch.manual_seed(cfg.seed)  # the same initial state everywhere
+    device = str(topology.device)
+    dtype = model_dtype(cfg.model.dtype, device)
+    model, tokenizer = load_policy(cfg.resume or cfg.model.name_or_path, dtype=getattr(torch, dtype), device=device,
+                                   topology=topology)
+    check_packed_attention(model)
+    check_parity(model, cfg.engine, topology)  # refuses a model unison computes differently from its own forward
+    task = task or load_task(cfg.data)
+    optimizer = build_optimizer(model, cfg.optim, cfg.max_steps, topology)
+    longest_prompt = _longest_prompt(cfg, tokenizer, task)  # sizes the KV pool and the packed rows
+    engine, publisher = _engine(cfg, model, topology, seed, longest_prompt)
+    lend = publisher is None and cfg.memory.lends(engine.device)
+    plan, row_tokens = _memory_plan(cfg, model, engine.pool.nbytes if publisher is None else 0, lend, longest_prompt)
+    stop_ids = stop_token_ids(tokenizer, model)
+    scorer = RewardScorer(task.reward_fns)
+    rollout = RolloutLoop(engine, tokenizer, task.rows, task.reward_fns, cfg.rollout, stop_ids, seed=seed,
+                          system_prompt=task.system_prompt, max_sample_tokens=row_tokens,
+                          scorer=BroadcastScorer(scorer, topology.tp) if topology.tp is not None else scorer,
+                          agreement=ReadyAgreement(topology.dp, cfg.rollout.samples_per_step, cfg.dist.ready_every)
+                          if topology.dp is not None else None)
+    record = run_record(cfg, topology.world, task.rows)
+    start = 1 if saved is None else restore(saved, optimizer, rollout, record["data"]) + 1
+    engine.weights_updated(optimizer.step_count)  # a resumed run samples with its checkpoint's version
+    if publisher is not None:  # the servers get the resumed step's weights as that version: its next patch applies
+        log.info("initial full sync to %s: %s", cfg.sync.servers, publisher.anchor(version=optimizer.step_count))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    writer = start_run(cfg) if topology.is_main else NullMetricsWriter()
+    log.info("training %s on %s (%s, %s) for %d steps; %d prompts", cfg.model.name_or_path, task.name,
+             device, dtype, cfg.max_steps, len(task.rows))
+    return Run(cfg, topology, model, tokenizer, optimizer, engine, publisher, rollout, writer, plan, row_tokens,
+               pad_id, lend, record, start)
+
+
+def _engine(cfg: TrainConfig, model: torch.nn.Module, topology: Topology, seed: int, longest_prompt: int
+            ) -> tuple[Engine | RemoteEngine, WeightPublisher | None]:
+    """The colocated engine on the trainer's own weights (its KV pool sized for the rollouts in flight unless the
+    engine section sizes it), or clients of `unison serve` servers and the publisher that keeps their weights the
+    trainer's."""
+    if cfg.sync.mode != "colocated":
+        remote = RemoteEngine(cfg.sync.servers, cfg.sync.timeout_s, token=resolve_token(cfg.sync.token))
+        return remote, WeightPublisher(cfg.sync, dict(model.named_parameters()))
+    # The run's seed drives sampling too, unless the engine section sets its own.
+    engine_cfg: EngineConfig = cfg.engine if cfg.engine.seed is not None else dataclasses.replace(cfg.engine, seed=seed)
+    if engine_cfg.num_blocks == 0:
+        engine_cfg = dataclasses.replace(engine_cfg, num_blocks=kv_blocks_for(
+            cfg.rollout.max_concurrent_rollouts, longest_prompt, cfg.rollout.max_new_tokens, cfg.engine.block_size))
+    log.info("KV pool: %d blocks of %d tokens", engine_cfg.num_blocks, engine_cfg.block_size)
+    return Engine(model, engine_cfg, topology=topology), None
+
+
+def _memory_plan(cfg: TrainConfig, model: torch.nn.Module, kv_bytes: int, lend: bool, longest_prompt: int
+                 ) -> tuple[MemoryPlan, int]:
+    """The memory plan and the packed row length (``step.max_tokens_per_row``, or the longest the plan fits: at
+    least the longest sampled prompt plus ``rollout.max_new_tokens``)."""
+    longest_sample = longest_prompt + cfg.rollout.max_new_tokens
+    def plan_for(row_tokens: int) -> MemoryPlan:
+        return plan_memory(model, kv_bytes, cfg.optim.placement == "gpu", lend, row_tokens, cfg.step.logprob_chunk,
+                           cfg.memory.activation_checkpointing)
+
+    row_tokens = cfg.step.max_tokens_per_row or auto_row_tokens(plan_for, longest_sample)
+    plan = plan_for(row_tokens)
+    log.info("\n%s\npacked rows of %d tokens%s", plan.table(), row_tokens,
+             "" if cfg.step.max_tokens_per_row else " (step.max_tokens_per_row=0: chosen from the plan)")
+    if longest_sample > row_tokens:
+        log.warning("step.max_tokens_per_row=%d is shorter than the longest sampled prompt (%d tokens) plus "
+                    "rollout.max_new_tokens (%d): completions of long prompts are cut at the row length",
+                    row_tokens, longest_prompt, cfg.rollout.max_new_tokens)
+    return plan, row_tokens
+
+
+def _longest_prompt(cfg: TrainConfig, tokenizer, task: Task) -> int:
+    """Tokens of the longest of (up to) 256 sampled prompts."""
+    rows = [r for r in random.Random(cfg.seed).sample(task.rows, min(256, len(task.rows))) if "prompt" in r]
+    return max((len(encode_prompt(tokenizer, str(r["prompt"]), task.system_prompt)) for r in rows), default=0)
