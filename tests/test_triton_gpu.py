@@ -40,6 +40,18 @@ def test_decode_kernel_on_gpu(group, head_dim, dtype, splits):
         assert rel < 5e-3, f"relative error {rel:.2e}"
 
 
+def mixed_step(heads: int, k_dim: int) -> tuple[torch.Tensor, StepLayout]:
+    """One engine step's queries and layout: decode rows, a chunk whose context is longer than it (chunked prefill,
+    a prefix hit) and whole prompts, over random block tables of a 256-block pool."""
+    q_lens, ctx = [1, 37, 1, 16, 100], [50, 37, 301, 80, 130]
+    tables = [torch.randperm(256)[:20].tolist() for _ in ctx]
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], heads, k_dim, device="cuda", dtype=torch.bfloat16)
+    return q, StepLayout(starts, ctx, tables, torch.zeros(starts[-1], dtype=torch.int64, device="cuda"))
+
+
 def test_chunks_through_varlen_match_reference():
     """Multi-token chunks whose context is longer than the chunk (chunked prefill, prefix hits), mixed with
     decode rows in one step: the fast backend equals the reference backend."""
@@ -47,13 +59,7 @@ def test_chunks_through_varlen_match_reference():
     block_size, heads, kv_heads, dim = 16, 8, 2, 64
     k_pool = torch.randn(256 * block_size, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
     v_pool = torch.randn_like(k_pool)
-    q_lens, ctx = [1, 37, 1, 16, 100], [50, 37, 301, 80, 130]
-    tables = [torch.randperm(256)[:20].tolist() for _ in ctx]
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
-    q = torch.randn(starts[-1], heads, dim, device="cuda", dtype=torch.bfloat16)
-    layout = StepLayout(starts, ctx, tables, torch.zeros(starts[-1], dtype=torch.int64, device="cuda"))
+    q, layout = mixed_step(heads, dim)
     outs = []
     for backend in (TorchPagedBackend(block_size, "cuda"),
                     TritonPagedBackend(block_size, kv_heads, "cuda", torch.bfloat16)):
@@ -198,13 +204,7 @@ def test_chunks_with_sinks_and_mla_widths_match_reference():
     k_pool = torch.randn(256 * block_size, kv_heads, k_dim, device="cuda", dtype=torch.bfloat16)
     v_pool = torch.randn(256 * block_size, kv_heads, v_dim, device="cuda", dtype=torch.bfloat16)
     sinks = 2 * torch.randn(heads, device="cuda", dtype=torch.bfloat16)
-    q_lens, ctx = [1, 37, 1, 16, 100], [50, 37, 301, 80, 130]
-    tables = [torch.randperm(256)[:20].tolist() for _ in ctx]
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
-    q = torch.randn(starts[-1], heads, k_dim, device="cuda", dtype=torch.bfloat16)
-    layout = StepLayout(starts, ctx, tables, torch.zeros(starts[-1], dtype=torch.int64, device="cuda"))
+    q, layout = mixed_step(heads, k_dim)
     outs = []
     for backend in (TorchPagedBackend(block_size, "cuda"),
                     TritonPagedBackend(block_size, kv_heads, "cuda", torch.bfloat16)):
@@ -213,4 +213,4 @@ def test_chunks_with_sinks_and_mla_widths_match_reference():
     assert state.chunk_rows is not None  # the chunks really went through varlen
     rel = ((outs[0] - outs[1]).norm() / outs[0].norm()).item()
     print(f"chunks sinks MLA widths: relative difference {rel:.2e}")
-    assert outs[1].shape == (starts[-1], heads, v_dim) and rel < 1e-2
+    assert outs[1].shape == (q.shape[0], heads, v_dim) and rel < 1e-2

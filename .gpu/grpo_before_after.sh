@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 17 items 2-5 on one H200: every GPU test, then bench/grpo_step.py --systems unison for each shape, this tree
-# and unison before the refactor (_old: unison at 4e4f089), alternating.
+# A change measured on one H200: every GPU test, then bench/grpo_step.py --systems unison for each shape, this
+# tree ("new") and unison before the change ("old": the unison/ folder of the base commit unpacked into _old/, e.g.
+# `git archive 4e4f089 unison | tar -x -C _old`), alternating. TREES=new or TREES=old skips the tests.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site
