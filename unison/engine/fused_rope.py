@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-ATTENTION_CLASSES = {"LlamaAttention", "Qwen2Attention", "Qwen3Attention", "MistralAttention"}
+ATTENTION_CLASSES = {"LlamaAttention", "Qwen2Attention", "Qwen3Attention", "MistralAttention",
+                     "Qwen3MoeAttention"}  # Qwen3-MoE's attention and apply_rotary_pos_emb are Qwen3's
 
 
 @triton.jit
