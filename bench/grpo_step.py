@@ -40,13 +40,12 @@ def make_checkpoint(shape: str, path: str, dtype: torch.dtype, device: str | tor
     """Random weights of ``shape`` and a word-level tokenizer: word ``w<i>`` is token i, except 0-2, which are
     ``<unk>``, ``<eos>`` (ends a turn) and ``<pad>`` (special tokens must not be substrings of words). Initialising
     on a GPU (``device``) takes seconds where a 1.7B shape takes a minute and a half on the CPU."""
-    from engine import build
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import PreTrainedTokenizerFast
 
-    model = build(shape, device, dtype, "sdpa")
+    model = build_shape(shape, device, dtype)
     vocab = model.config.vocab_size
     model.config.eos_token_id, model.config.pad_token_id = 1, 2
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 2
@@ -63,6 +62,19 @@ def make_checkpoint(shape: str, path: str, dtype: torch.dtype, device: str | tor
     del model
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
+
+
+def build_shape(shape: str, device, dtype: torch.dtype) -> torch.nn.Module:
+    """A Qwen3 shape of ``engine.py``, or ``moe:<shape>`` / ``dense:<shape>`` of ``moe_decode.py`` (a Qwen3-MoE
+    shape, and the dense Qwen3 of the same active parameters)."""
+    if ":" in shape:
+        import moe_decode
+
+        kind, name = shape.split(":", 1)
+        return moe_decode.build(kind, name, device, dtype)
+    from engine import build
+
+    return build(shape, device, dtype, "sdpa")
 
 
 def prompt_texts(vocab: int, n: int) -> list[str]:
@@ -121,7 +133,7 @@ def run_unison(checkpoint: str, prompts: list[str], new: int, steps: int, out_di
                 [(lambda prompts, completions, **_: [rng.random() for _ in completions], 1.0)])
     n = len(prompts) * GROUP
     cfg = load_config(TrainConfig, None, [
-        f"--output_dir={out_dir}", f"--max_steps={steps}", "--tensorboard=false", "--overwrite=true",
+        f"--output_dir={out_dir}", f"--max_steps={steps}", "--log.report_to=[none]", "--overwrite=true",
         f"--model.name_or_path={checkpoint}",
         f"--rollout.group_size={GROUP}", f"--rollout.samples_per_step={n}", f"--rollout.max_concurrent_rollouts={n}",
         f"--rollout.max_new_tokens={new}", f"--optim.lr={LR}", *overrides])
@@ -182,8 +194,8 @@ def worker(args) -> None:
 def ideal_step_s(shape: str, prompts: int, new: int, ceilings: dict) -> float | None:
     from engine import SHAPES, roofline
 
-    if ceilings.get("copy_bytes_per_s") is None:
-        return None
+    if ceilings.get("copy_bytes_per_s") is None or shape not in SHAPES:
+        return None  # (the MoE shapes: no roofline here; bench/moe_decode.py has their decode's)
     n = prompts * GROUP
     s = SHAPES[shape]
     h, layers, inter, vocab = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"], s["vocab_size"]
@@ -201,11 +213,11 @@ def run_shape(shape: str, gpu: int | None, args, results: dict, save) -> None:
                                                                      os.environ.get("PYTHONPATH")])))
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    checkpoint = os.path.join(args.workdir, shape)
+    checkpoint = os.path.join(args.workdir, shape.replace(":", "_"))
     make_checkpoint(shape, checkpoint, torch.bfloat16, f"cuda:{gpu}" if gpu is not None else "cpu")
     entry = {"name": f"{shape}/{args.prompts * GROUP}x{args.new}/G{GROUP}", "gpu": gpu}
     for system in args.systems.split(","):
-        out = os.path.join(args.workdir, f"{shape}.{system}.json")
+        out = os.path.join(args.workdir, f"{shape.replace(':', '_')}.{system}.json")
         cmd = [sys.executable, __file__, "--worker", system, shape, checkpoint, "--worker-out", out,
                "--prompts", str(args.prompts), "--new", str(args.new), "--steps", str(args.steps),
                "--trl-steps", str(args.trl_steps), *(f"--unison-set={o}" for o in args.unison_set)]

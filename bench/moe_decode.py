@@ -30,6 +30,10 @@ from unison.engine import Engine, EngineConfig, SamplingParams, fused_norm, fuse
 SHAPES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  vocab_size=512, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    # 8 of those layers (5.3B parameters): trains with fp32 AdamW masters on one H200 (bench/grpo_step.py).
+    "qwen3moe-8l": dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
+                        head_dim=128, vocab_size=151936, num_experts=128, num_experts_per_tok=8,
+                        moe_intermediate_size=768),
     "qwen3moe-16l": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=4,
                          head_dim=128, vocab_size=151936, num_experts=128, num_experts_per_tok=8,
                          moe_intermediate_size=768),
@@ -76,10 +80,10 @@ def wait_prefilled(engine: Engine) -> None:
         engine.step()
 
 
-def run_engine(model, prompts, new: int, device: str) -> tuple[dict, Engine]:
+def run_engine(model, prompts, new: int, device: str, **engine_kw) -> tuple[dict, Engine]:
     blocks = len(prompts) * -(-(len(prompts[0]) + new + 64) // 16) + 8
     engine = Engine(model, EngineConfig(num_blocks=blocks, block_size=16, seed=0, max_batch_tokens=8192,
-                                        max_num_seqs=len(prompts)))
+                                        max_num_seqs=len(prompts), **engine_kw))
     engine.generate(prompts, SamplingParams(max_new_tokens=4, stop_token_ids=()))  # kernels and graphs
     sync(device)
     before, t0 = engine.stats(), time.perf_counter()

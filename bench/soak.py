@@ -63,7 +63,7 @@ def main():
     out_dir = f"{'/dev/shm' if os.path.isdir('/dev/shm') else '/tmp'}/unison_soak_{world}_{args.tp}"
     n = args.prompts * GROUP
     cfg = load_config(TrainConfig, None, [
-        f"--output_dir={out_dir}", f"--max_steps={args.steps}", "--tensorboard=false", "--overwrite=true",
+        f"--output_dir={out_dir}", f"--max_steps={args.steps}", "--log.report_to=[none]", "--overwrite=true",
         f"--model.name_or_path={args.checkpoint}", f"--model.device={args.device}", f"--dist.tp={args.tp}",
         f"--dist.timeout_s={args.timeout}", f"--rollout.group_size={GROUP}", f"--rollout.samples_per_step={n}",
         f"--rollout.max_concurrent_rollouts={n * args.tp // world}",  # each replica's engine: one step's worth

@@ -4,7 +4,7 @@
 set -euo pipefail
 out=${OUT:-runs}
 python3 -m unison train configs/gpu.yaml --output_dir=/tmp/gpu_run --overwrite=true
-python3 -m unison train configs/gpu.yaml --output_dir=/tmp/gpu_lr0 --overwrite=true --optim.lr=0.0 --max_steps=5 --tensorboard=false
+python3 -m unison train configs/gpu.yaml --output_dir=/tmp/gpu_lr0 --overwrite=true --optim.lr=0.0 --max_steps=5 --log.report_to=[none]
 mkdir -p "$out/gpu_run" "$out/gpu_lr0"
 cp /tmp/gpu_run/metrics.jsonl /tmp/gpu_run/curves.png /tmp/gpu_run/config.yaml "$out/gpu_run/"
 cp /tmp/gpu_lr0/metrics.jsonl "$out/gpu_lr0/"

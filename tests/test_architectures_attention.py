@@ -120,13 +120,14 @@ def test_the_features_bite():
 def test_kv_widths_of_mla_and_plain_configs():
     model, _ = tiny("deepseek_v3")
     text = model.config.get_text_config()
-    assert [(x.kv_heads, x.key_dim, x.value_dim) for x in kv_widths(text)] == [(4, 24, 12)] * 2
-    assert kv_widths(text, tp=2)[0].kv_heads == 2
+    assert [(x.kv_heads, x.key_dim, x.value_dim) for x in kv_widths(text, mla_cache="expanded")] == [(4, 24, 12)] * 2
+    assert kv_widths(text, tp=2, mla_cache="expanded")[0].kv_heads == 2
+    assert kv_widths(text, tp=2)[0].kv_heads == 1  # the latent: one row per token on every rank
     gpt, _ = tiny("gpt_oss")
     assert [(x.kv_heads, x.key_dim, x.value_dim) for x in kv_widths(gpt.config)] == [(2, 16, 16)] * 2
     with pytest.raises(ValueError, match="tensor-parallel size 4"):
         kv_widths(gpt.config, tp=4)
-    pool = KVPool(3, 4, kv_widths(text), torch.float32, torch.device("cpu"))
+    pool = KVPool(3, 4, kv_widths(text, mla_cache="expanded"), torch.float32, torch.device("cpu"))
     assert pool.k[1].shape == (12, 4, 24) and pool.v[1].shape == (12, 4, 12)
     assert pool.nbytes == 2 * 12 * 4 * (24 + 12) * 4
     pool.v[0].fill_(1.0)  # views do not overlap

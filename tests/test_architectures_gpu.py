@@ -50,3 +50,28 @@ def test_engine_and_packed_forward_at_the_bf16_floor(family):
     print(f"{family} packed logits vs fp32 eager: mean {gap.mean():.2e} max {gap.max():.2e}; "
           f"bf16 eager: mean {floor.mean():.2e} max {floor.max():.2e}")
     assert gap.mean() <= 2 * floor.mean() + 1e-3
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_mla_latent_decode_kernel_at_the_deepseek_shape(splits):
+    """The compiled latent-cache kernel at DeepSeek's widths (512 latent + 64 rope, 16 heads) in bf16, against the
+    reference in fp32 on the same bf16 inputs: no further than the bf16 rounding of the output."""
+    from unison.engine.backend import StepLayout, TorchPagedBackend
+    from unison.engine.triton_mla import mla_decode
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    block_size, heads, rank, rope, blocks = 16, 16, 512, 64, 400
+    kv = torch.randn(blocks * block_size, 1, rank + rope, generator=g, device="cuda").to(torch.bfloat16)
+    ctx = [1, 17, 300, 1000, 2048, 77]
+    tables = torch.stack([torch.randperm(blocks, device="cuda", generator=g)[:128] for _ in ctx])
+    q = torch.randn(len(ctx), heads, rank + rope, generator=g, device="cuda").to(torch.bfloat16)
+    scale = (128 + 64) ** -0.5
+    layout = StepLayout(list(range(len(ctx) + 1)), ctx, tables.tolist(), torch.zeros(len(ctx), dtype=torch.int64))
+    ref_backend = TorchPagedBackend(block_size, torch.device("cuda"))
+    ref = ref_backend.attend(ref_backend.prepare(layout), kv.float(), kv[..., :rank].float(), q.float(), scale, None)
+    out = mla_decode(q, kv, rank, tables.to(torch.int32), torch.tensor(ctx, dtype=torch.int32, device="cuda"),
+                     block_size, scale, splits=splits)
+    err = (out.float() - ref).abs().max().item()
+    rounding = (ref.to(torch.bfloat16).float() - ref).abs().max().item()
+    print(f"mla_decode splits={splits}: max error {err:.2e}, bf16 rounding of the output {rounding:.2e}")
+    assert err <= 4 * rounding + 1e-3

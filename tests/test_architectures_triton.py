@@ -53,3 +53,24 @@ def test_mixed_step_backend_equals_reference(k_dim, v_dim, sinks, softcap):
                                    softcap=softcap))
     assert outs[0].shape == (starts[-1], heads, v_dim)
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_mla_latent_decode_kernel_equals_reference(splits):
+    """The latent-cache kernel (one [c, k_rot] row per token for all heads, c also the value): 20 heads (two head
+    blocks, the second partial), a rope part narrower than a block, split contexts; against the reference."""
+    from unison.engine.triton_mla import mla_decode
+
+    g = torch.Generator().manual_seed(8)
+    block_size, heads, rank, rope = 4, 20, 32, 8
+    kv = torch.randn(40 * block_size, 1, rank + rope, generator=g)
+    ctx = [9, 1, 17, 30]
+    tables = [torch.randperm(40, generator=g)[:8].tolist() for _ in ctx]
+    q = torch.randn(len(ctx), heads, rank + rope, generator=g)
+    layout = StepLayout(list(range(len(ctx) + 1)), ctx, tables, torch.zeros(len(ctx), dtype=torch.int64))
+    torch_backend = TorchPagedBackend(block_size, "cpu")
+    ref = torch_backend.attend(torch_backend.prepare(layout), kv, kv[..., :rank], q, 0.3, None)
+    out = mla_decode(q, kv, rank, torch.tensor(tables, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32),
+                     block_size, 0.3, splits=splits)
+    assert out.shape == (len(ctx), heads, rank)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

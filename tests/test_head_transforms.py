@@ -117,12 +117,9 @@ def eager_logprobs(model, sample: Sample, temperature: float) -> torch.Tensor:
 def test_training_logprobs_and_grads_equal_eager(family):
     model, temperature = build(family), 0.7
     samples = samples_for(128)
-    # FalconH1's Mamba layers would run across a packed row's samples: one sample per row tests its head alone.
-    if family == "FalconH1":
-        rows, order = [pack_samples([s], 64, pad_id=0)[0] for s in samples], range(len(samples))
-    else:
-        rows = pack_samples(samples, 64, pad_id=0)
-        order = [i for row in rows for i in row.sample_index]
+    # (FalconH1's Mamba layers keep a packed row's samples apart: unison.train.boundaries.)
+    rows = pack_samples(samples, 64, pad_id=0)
+    order = [i for row in rows for i in row.sample_index]
     ours = torch.cat([policy_logprobs(model, row, temperature, chunk_size=5)[0] for row in rows])
     upstream = torch.linspace(-1.0, 1.0, ours.numel())
     (ours * upstream).sum().backward()

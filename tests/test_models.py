@@ -15,6 +15,7 @@ from unison.models import (
     cache_dir,
     load_policy,
     locate_gguf,
+    resolve_model,
     stop_token_ids,
 )
 
@@ -68,6 +69,17 @@ def test_default_converts_once_into_the_cache(converted, monkeypatch):
     assert again.dtype == torch.float32
     for (name, a), b in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_gguf_path_of_the_default_converts_once_like_the_default(converted, monkeypatch):
+    """The default's GGUF given as a path (``--model.name_or_path=/path/to/x.gguf``) is the default's folder, not a
+    second conversion (another GGUF file converts once into ``cache_dir()/gguf/<stem>-<key>``, the same code)."""
+    _, _, folder, stamp = converted
+    monkeypatch.setenv("UNISON_CACHE", str(folder.parent.parent))
+    gguf = locate_gguf(KNOWN_MODELS[DEFAULT_MODEL])
+    assert resolve_model(str(gguf)) == (str(folder), True)
+    assert os.stat(folder / "model.safetensors").st_mtime_ns == stamp
+    assert [p.name for p in folder.parent.iterdir()] == [DEFAULT_MODEL]
 
 
 def test_tokenizer_chat_template_and_stop_ids(converted):

@@ -76,8 +76,8 @@ def test_guard_refuses_an_attention_feature_unison_lacks():
 
 
 def test_guard_refuses_mamba_layers():
-    # FalconH1's head is exact (tests/test_head_transforms.py), but its Mamba layers keep no per-request state in
-    # the engine and run across a packed row's samples: 0.4 nats off on average here.
+    # FalconH1's head is exact (tests/test_head_transforms.py) and its packed rows keep samples apart
+    # (tests/test_hybrid_packing.py), but its Mamba layers keep no per-request state in the engine yet.
     with pytest.raises(ParityError, match="FalconH1ForCausalLM"):
         check_parity(build("FalconH1"))
 

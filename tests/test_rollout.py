@@ -265,7 +265,7 @@ def test_reward_failures_per_function_are_step_metrics():
 
 def test_no_batch_error_on_a_rank_that_does_not_score_points_to_the_one_that_does():
     class OtherRanksScores:  # what a tensor-parallel rank other than 0 gets: rank 0's results, none of its counts
-        def score(self, prompts, completions, columns):
+        def score(self, prompts, completions, columns, completion_ids=None):
             return [(None, {})] * len(completions)
 
         def missing_report(self):

@@ -142,7 +142,7 @@ def test_a_server_on_any_gpu_loads_the_trainers_dtype(device, monkeypatch):
     class Loaded(Exception):
         pass
 
-    def fake_load(name_or_path, dtype, device):
+    def fake_load(name_or_path, dtype, device, **_):
         loaded.update(dtype=dtype, device=device)
         raise Loaded
 

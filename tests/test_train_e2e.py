@@ -82,7 +82,7 @@ def test_bad_inputs_have_clear_errors(model_dir, tmp_path):
 def test_sdpa_model_is_refused_for_packed_training():
     from transformers import LlamaForCausalLM
 
-    from unison.train.step import check_packed_attention
+    from unison.train.leak import check_packed_attention
 
     model = tiny_llama()
     sdpa = LlamaForCausalLM._from_config(type(model.config)(**model.config.to_dict()), attn_implementation="sdpa")

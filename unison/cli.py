@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from unison.config import ConfigError, InputError, config_fields, load_config
+from unison.config import ConfigError, InputError, load_config
 
 USAGE = "usage: unison <command> [CONFIG.yaml] [--key=value ...]"
 
@@ -88,19 +88,24 @@ def parse_command_args(argv: Sequence[str], cfg_cls: type) -> Any:
 
 
 def command_help(command: Command, cfg_cls: type) -> str:
-    """The usage of one command and every key of its config, with default and doc."""
+    """The usage of one command and every key of its config, by section, with default and doc (the same reference
+    as docs/config.md: ``unison.config_doc``)."""
+    from unison.config_doc import config_sections
+
     lines = [
         f"usage: unison {command.name} [CONFIG.yaml] [--key=value ...]",
         "",
         f"{command.summary}. CONFIG.yaml sets any of the keys below (nested sections as YAML mappings);",
         "--key=value overrides it, dotted for nested keys (--optim.lr=1e-5). Values are YAML scalars.",
-        "",
-        "config keys:",
     ]
-    for field in config_fields(cfg_cls):
-        lines.append(f"  {field.key}: {field.type} = {field.default}")
-        if field.doc:
-            lines.append(textwrap.fill(field.doc, width=100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+    for section in config_sections(cfg_cls):
+        lines += ["", f"[{section.name}]" if section.name else "top-level keys:"]
+        if section.doc:
+            lines.append(textwrap.fill(section.doc, width=100, initial_indent="  ", subsequent_indent="  "))
+        for field in section.fields:
+            lines.append(f"  {field.key}: {field.type} = {field.default}")
+            if field.doc:
+                lines.append(textwrap.fill(field.doc, width=100, initial_indent=" " * 6, subsequent_indent=" " * 6))
     return "\n".join(lines)
 
 

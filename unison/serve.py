@@ -4,9 +4,10 @@
 
 HTTP API (JSON):
 - ``POST /v1/completions`` ``{"prompt": [token ids], "max_tokens": 64, "temperature": 1.0, "top_p": 1.0,
-  "top_k": 0, "n": 1, "seed": null, "stop_token_ids": null}`` returns ``{"choices": [{"token_ids", "logprobs",
-  "finish_reason", "weight_versions"}], "weight_version": v}``: token ids in and out, each token's logprob
-  under the distribution it was sampled from, and the weight version that sampled it.
+  "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "n": 1, "seed": null, "stop_token_ids": null, "stop": []}``
+  returns ``{"choices": [{"token_ids", "logprobs", "finish_reason", "weight_versions", "stop_string"}],
+  "weight_version": v}``: token ids in and out, each token's logprob under the distribution it was sampled from,
+  the weight version that sampled it, and the stop string that ended it (null if none did).
 - ``GET /health``, ``GET /version`` (``{"version": v, "needs_anchor": bool}``), ``GET /checksums`` (each
   parameter's checksum: compare with the trainer's to prove the server holds its weights).
 - ``POST /v1/weights`` with a patch or an anchor (the bytes of ``unison.sync.encode``) as the body: 200 applied,
@@ -58,7 +59,9 @@ class ServeConfig:
         "--sync.dist.init_method", "sync_rank": "--sync.dist.rank", "sync_world_size": "--sync.dist.world_size"}
     model: ModelConfig = field(default_factory=ModelConfig)
     host: str = "127.0.0.1"
+    """The address to listen on; a host other machines can reach needs a token."""
     port: int = 8000
+    """The port to listen on (0: any free one)."""
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_blocks=4096, block_size=16))
     sync: SourceConfig = field(default_factory=SourceConfig)
     """Where patches come from besides POST /v1/weights: the trainer's sync.transport and its settings."""
@@ -254,7 +257,8 @@ def make_handler(server: GenerationServer, timeout: float = 600.0, token: str = 
             if completions is _Failed:
                 return
             self._send(200, {"choices": [{"token_ids": c.token_ids, "logprobs": c.logprobs,
-                                          "finish_reason": c.finish_reason, "weight_versions": c.weight_versions}
+                                          "finish_reason": c.finish_reason, "weight_versions": c.weight_versions,
+                                          "stop_string": c.stop_string}
                                          for c in completions],
                              "weight_version": server.receiver.version})
 
@@ -350,9 +354,10 @@ def serve(cfg: ServeConfig) -> None:
                           f"${TOKEN_ENV}) here and the same sync.token on the trainer, or serve on --host=127.0.0.1")
     device = model_device(cfg.model.device)
     dtype = model_dtype(cfg.model.dtype, device)
-    model, _ = load_policy(cfg.model.name_or_path, dtype=getattr(torch, dtype), device=device)
+    model, tokenizer = load_policy(cfg.model.name_or_path, dtype=getattr(torch, dtype), device=device,
+                                   chat_template=cfg.model.chat_template)
     check_parity(model, cfg.engine)  # refuses a model the engine would decode differently from its own forward
-    engine = Engine(model, cfg.engine)
+    engine = Engine(model, cfg.engine, tokenizer=tokenizer)  # the tokenizer finds stop strings
     receiver = Receiver(dict(model.named_parameters()), version=0 if cfg.synced else -1)
     server = GenerationServer(engine, receiver, build_source(cfg.sync, receiver, engine.device))
     server.start()

@@ -21,7 +21,10 @@ from typing import Any
 
 from .engine import SamplingParams
 
-FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop_token_ids")
+FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "n", "seed",
+          "stop_token_ids", "stop")
+MAX_STOP_STRINGS = 64  # each is searched for after every token of the request: a few are what anyone uses
+MAX_STOP_CHARS = 1024
 _INT64 = 2**63 - 1  # the sampler turns top_k into an int64 tensor: a larger one fails inside the engine step
 
 
@@ -52,10 +55,28 @@ def parse_completion_request(body: bytes, max_n: int) -> tuple[list[int], Sampli
         raise RequestError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
     if not 0 < top_p <= 1:
         raise RequestError(f"top_p must be in (0, 1], got {top_p}")
+    min_p, penalty = _number(req, "min_p", 0.0), _number(req, "repetition_penalty", 1.0)
+    if not 0 <= min_p <= 1:
+        raise RequestError(f"min_p must be in [0, 1] (0 is off), got {min_p}")
+    if not penalty > 0:
+        raise RequestError(f"repetition_penalty must be > 0 (1 is off), got {penalty}")
+    stop_strings = _stop_strings(req.get("stop"))
     params = SamplingParams(max_new_tokens=_int(req, "max_tokens", 64, low=1), temperature=temperature, top_p=top_p,
-                            top_k=_int(req, "top_k", 0, low=0), n=n, seed=seed,
-                            stop_token_ids=tuple(stop) if stop is not None else None)
+                            top_k=_int(req, "top_k", 0, low=0), min_p=min_p, repetition_penalty=penalty, n=n,
+                            seed=seed, stop_token_ids=tuple(stop) if stop is not None else None, stop=stop_strings)
     return prompt, params
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    """``stop``: null, a string or a list of non-empty strings (OpenAI's API takes either form)."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if (not isinstance(items, list) or len(items) > MAX_STOP_STRINGS
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in items)):
+        raise RequestError(f"stop must be null, a string or a list of at most {MAX_STOP_STRINGS} non-empty strings "
+                           f"of at most {MAX_STOP_CHARS} characters, got {_show(value)}")
+    return tuple(items)
 
 
 def to_json(payload: Any) -> bytes:

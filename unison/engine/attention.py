@@ -4,7 +4,8 @@ A model built with ``attn_implementation="unison"`` runs the stock transformers 
 what a forward does depends only on the keyword arguments passed to ``model(...)``:
 
 - ``paged=PagedBatch``: the engine's forward. K/V of the new tokens are written into the engine's
-  paged pool, then each sequence attends over its whole context through the engine's backend.
+  paged pool, then each sequence attends over its whole context through the engine's backend (an MLA layer
+  with a latent cache has written its latent already and attends with absorbed up-projections: ``mla``).
 - ``cu_seq_lens_q=(S+1,) int32`` and ``max_length_q=int``: a packed training row (batch 1), causal
   within each segment and never across (varlen attention on the GPU, a per-segment loop on the CPU).
 - neither: a plain forward, exactly transformers' SDPA path (padding masks included); layers with logit
@@ -24,6 +25,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from . import mla
 from .attention_ops import causal_mask, dense_attention, varlen_attention, varlen_supported
 
 ATTN_NAME = "unison"
@@ -51,6 +53,9 @@ def unison_attention(
     paged = kwargs.get("paged")
     if paged is not None:
         q = query[0].transpose(0, 1)  # (N, H, D): the engine packs all scheduled tokens into batch 1
+        if paged.pool.layers[module.layer_idx].value_in_key:  # an MLA latent cache: the latent is written
+            out = mla.attend_absorbed(paged, module, q, scale, window, sinks, softcap)
+            return out.unsqueeze(0), None
         k = key[0].transpose(0, 1)
         v = value[0].transpose(0, 1)
         out = paged.attend(module.layer_idx, q, k, v, scale, window, sinks=sinks, softcap=softcap)

@@ -15,23 +15,44 @@ from . import vmm
 @dataclass(frozen=True)
 class LayerKV:
     """What one attention layer caches per token on this rank: ``kv_heads`` keys ``key_dim`` wide and as many
-    values ``value_dim`` wide."""
+    values ``value_dim`` wide. ``value_in_key``: the values are the keys' first ``value_dim`` columns and take no
+    memory of their own (the latent cache of multi-head latent attention, ``unison.engine.mla``)."""
 
     kv_heads: int
     key_dim: int
     value_dim: int
+    value_in_key: bool = False
+
+    @property
+    def width(self) -> int:
+        """Elements per token and KV head held in the pool."""
+        return self.key_dim + (0 if self.value_in_key else self.value_dim)
 
 
-def kv_widths(text_config, tp: int = 1) -> list[LayerKV]:
+def kv_widths(text_config, tp: int = 1, mla_cache: str = "latent") -> list[LayerKV]:
     """Each layer's cache shape for a transformers text config, under tensor parallelism of size ``tp``.
 
-    Keys and values are what the attention function receives: multi-head latent attention (DeepSeek-V2/V3,
-    GLM-4.7-Flash; configs with ``kv_lora_rank``) expands its latent into ``num_attention_heads`` keys
-    ``qk_nope_head_dim + qk_rope_head_dim`` wide and values ``v_head_dim`` wide before attention.
+    Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, Youtu; configs with ``kv_lora_rank``) caches,
+    with ``mla_cache="latent"``, one compressed latent per token: ``kv_lora_rank`` normalised latent columns and
+    ``qk_rope_head_dim`` rotated key columns, shared by all heads (one "KV head"), the values being the latent
+    itself; attention then runs with the up-projections absorbed into the query and the output
+    (``unison.engine.mla``). With ``"expanded"`` it caches what the attention function receives:
+    ``num_attention_heads`` keys ``qk_nope_head_dim + qk_rope_head_dim`` wide and values ``v_head_dim`` wide.
     """
     c = text_config
     heads = c.num_attention_heads
+    if getattr(c, "index_topk", None):
+        raise ValueError(f"{c.model_type}: sparse attention (a lightning indexer keeping the top {c.index_topk} "
+                         f"keys per query, DeepSeek-V3.2 / GLM-5 style) is not implemented by unison's engine or "
+                         f"its packed training; dense attention over every key would be silently wrong past "
+                         f"{c.index_topk} tokens")
     if getattr(c, "kv_lora_rank", None) and getattr(c, "v_head_dim", None):
+        if mla_cache == "latent":
+            if heads % tp:
+                raise ValueError(f"{c.model_type}: {heads} attention heads do not split across tensor-parallel "
+                                 f"size {tp}")
+            return [LayerKV(1, c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank, value_in_key=True)
+                    ] * c.num_hidden_layers
         kv_heads, key_dim, value_dim = heads, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
     else:
         kv_heads = getattr(c, "num_key_value_heads", None) or heads
@@ -43,8 +64,9 @@ def kv_widths(text_config, tp: int = 1) -> list[LayerKV]:
 
 class KVPool:
     """K and V for every layer: ``k[layer]`` is ``(num_blocks * block_size, KVH, Dk)``, ``v[layer]``
-    ``(num_blocks * block_size, KVH, Dv)``, each layer's shapes from its ``LayerKV``; all are views of one
-    allocation, which ``release()`` gives back to the device and ``restore()`` takes again (contents lost).
+    ``(num_blocks * block_size, KVH, Dv)`` (a view of ``k[layer]``'s first columns where the layer's values are
+    in its keys), each layer's shapes from its ``LayerKV``; all are views of one allocation, which ``release()``
+    gives back to the device and ``restore()`` takes again (contents lost).
 
     On CUDA with ``cuda-bindings`` the allocation is virtual memory at a fixed address, so views and CUDA graphs
     captured on them stay valid across a release; elsewhere the storage is resized to nothing and back, and
@@ -55,7 +77,7 @@ class KVPool:
                  device: torch.device):
         self.num_slots = n = num_blocks * block_size
         self.layers = list(layers)
-        numel = sum(n * layer.kv_heads * (layer.key_dim + layer.value_dim) for layer in self.layers)
+        numel = sum(n * layer.kv_heads * layer.width for layer in self.layers)
         self._vmm = None
         if vmm.available(torch.device(device)):
             self._vmm = vmm.VirtualBuffer(numel * dtype.itemsize, torch.device(device))
@@ -66,12 +88,19 @@ class KVPool:
         self.k, self.v = [], []
         offset = 0
         for layer in self.layers:
-            for views, width in ((self.k, layer.key_dim), (self.v, layer.value_dim)):
+            for views, width in ((self.k, layer.key_dim), (self.v, 0 if layer.value_in_key else layer.value_dim)):
                 size = n * layer.kv_heads * width
                 views.append(self.storage[offset:offset + size].view(n, layer.kv_heads, width))
                 offset += size
+            if layer.value_in_key:
+                self.v[-1] = self.k[-1][..., :layer.value_dim]
         self._bytes = numel * dtype.itemsize
         self.released = False
+
+    @property
+    def has_latent(self) -> bool:
+        """Whether some layer caches an MLA latent (``unison.engine.mla``)."""
+        return any(layer.value_in_key for layer in self.layers)
 
     @property
     def nbytes(self) -> int:

@@ -22,13 +22,15 @@ import torch
 
 from ..dist.tensor_parallel import local_forward
 from ..dist.topology import Topology
+from . import mla
 from .attention import ATTN_NAME, NO_MASK
 from .backend import AttentionBackend, PagedBatch, StepLayout, TorchPagedBackend
 from .cache import BlockAllocator, KVPool, kv_widths
 from .lm_head import decoder_of, lm_head_of
-from .sampler import sample
+from .sampler import apply_repetition_penalty, sample
 from .scheduler import Request, ScheduledChunk, Scheduler
 from .seeding import SEED_RANGE, request_seed, token_seed
+from .stop import StopStrings
 from .types import Completion, EngineConfig, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -36,8 +38,9 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None,
-                 backend: AttentionBackend | None = None, topology: Topology | None = None):
+                 backend: AttentionBackend | None = None, topology: Topology | None = None, tokenizer=None):
         self.model = model
+        self._stops = StopStrings(tokenizer) if tokenizer is not None else None  # SamplingParams.stop needs it
         self.config = config = config or EngineConfig()
         if config.num_blocks < 1:
             raise ValueError("EngineConfig.num_blocks must be >= 1 for an Engine (0 means 'sized by unison train')")
@@ -64,7 +67,12 @@ class Engine:
         # ... and its forwards run on the local shards with explicit all-reduces, not through DTensor dispatch.
         self.local_forward = local_forward(model, topology)
         # One block more than the allocator hands out: the scratch block that padded graph rows write into.
-        self.pool = KVPool(config.num_blocks + 1, config.block_size, kv_widths(text, tp), self.dtype, self.device)
+        self.pool = KVPool(config.num_blocks + 1, config.block_size, kv_widths(text, tp, config.mla_cache),
+                           self.dtype, self.device)
+        if self.pool.has_latent:
+            for module in mla.attention_modules(model):
+                mla.check_module(module)
+            kv_heads = 1
         self.allocator = BlockAllocator(config.num_blocks)
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_batch_tokens,
                                    config.max_num_seqs, config.prefix_caching)
@@ -108,8 +116,10 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None) -> list[str]:
-        """Queue ``params.n`` samples of one prompt. Returns their request ids (one group)."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
+               continuable: bool = False) -> list[str]:
+        """Queue ``params.n`` samples of one prompt. Returns their request ids (one group). ``continuable``: each
+        finished sample keeps its KV for ``extend`` (a multi-turn episode) until ``release``."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         self._validate(prompt, params)
@@ -121,6 +131,7 @@ class Engine:
         for i in range(params.n):
             seed = request_seed(params.seed, i) if params.seed is not None else None
             req = Request(f"{group}-{i}", group, prompt, params, stop, max_len, self._arrivals, seed)
+            req.continuable = continuable
             self._arrivals += 1
             self._requests[req.request_id] = req
             self.scheduler.add(req)
@@ -136,6 +147,8 @@ class Engine:
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the context of "
                              f"{self.max_model_len} tokens")
+        if params.stop and self._stops is None:
+            raise ValueError("stop strings need the tokenizer: build the engine with Engine(..., tokenizer=...)")
         for t in params.stop_token_ids or ():
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"stop token id {t} is outside the vocabulary [0, {self.vocab_size})")
@@ -144,6 +157,37 @@ class Engine:
         if blocks > self.config.num_blocks:
             raise ValueError(f"a request of up to {tokens} tokens needs {blocks} KV blocks but the pool has "
                              f"{self.config.num_blocks}: raise EngineConfig.num_blocks or lower max_new_tokens")
+
+    def extend(self, request_id: str, token_ids: list[int], params: SamplingParams | None = None) -> str:
+        """Continue a finished continuable request: append ``token_ids`` (a tool's or environment's turn) and
+        generate the next turn on the request's own KV, so the conversation so far is not prefilled again (the
+        group's shared prompt blocks stay shared). Its next completion has the whole context so far as
+        ``prompt_ids`` and only the new turn's tokens as ``token_ids``. ``params`` (n must be 1): the request's own
+        when None. Returns ``request_id``. Raises KeyError for a request that is not parked, ValueError for tokens
+        the engine refuses (the request stays parked)."""
+        req = self.scheduler.parked.get(request_id)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not a finished continuable request: submit it with "
+                           "continuable=True and extend it after its completion came out of step(), once per turn")
+        if params is not None and params.n != 1:
+            raise ValueError(f"extend continues one request: params.n must be 1, got {params.n}")
+        params = params or req.params
+        context = req.prompt + req.output + [int(t) for t in token_ids]
+        self._validate(context, params)
+        self.scheduler.parked.pop(request_id)
+        req.seed_offset += len(req.output)
+        req.prompt, req.output, req.logprobs, req.versions = context, [], [], []
+        req.prefix_hashes = None
+        req.params = params
+        req.stop_ids = frozenset(self.eos_ids if params.stop_token_ids is None else params.stop_token_ids)
+        req.max_len = min(len(context) + params.max_new_tokens, self.max_model_len)
+        self._requests[request_id] = req
+        self.scheduler.resume(req)
+        return request_id
+
+    def release(self, request_ids: Iterable[str]) -> int:
+        """Free the KV that finished continuable requests keep for ``extend``. Returns how many were parked."""
+        return sum(self.scheduler.release(request_id) for request_id in request_ids)
 
     def abort(self, request_ids: Iterable[str]) -> int:
         """Stop requests; each one's completion (finish_reason "abort", the tokens so far) comes out of the next
@@ -246,6 +290,7 @@ class Engine:
             "version": self.version,
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
+            "num_parked": len(s.parked),
             "num_free_blocks": self.allocator.num_free,
             "num_blocks": self.config.num_blocks,
             "kv_pool_gib": self.pool.nbytes / 2**30,
@@ -258,14 +303,20 @@ class Engine:
     # -- internals ----------------------------------------------------------------------------------------
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        penalised = [i for i, r in enumerate(reqs) if r.params.repetition_penalty != 1]
+        if penalised:  # on the raw logits, before either sampler
+            logits = apply_repetition_penalty(logits, penalised, [reqs[i].prompt + reqs[i].output for i in penalised],
+                                              [reqs[i].params.repetition_penalty for i in penalised])
         temperature = [r.params.temperature for r in reqs]
-        if self._fused_sample is not None and all(r.params.top_k == 0 and r.params.top_p == 1 for r in reqs):
+        # The fused sampler has no top-k/top-p/min-p cut: a batch with any of them samples here in PyTorch.
+        if self._fused_sample is not None and all(r.params.top_k == 0 and r.params.top_p == 1 and r.params.min_p == 0
+                                                  for r in reqs):
             drawn = self._seed_rng.integers(0, SEED_RANGE, len(reqs)).tolist()
-            seeds = [d if r.seed is None else token_seed(r.seed, len(r.output))
+            seeds = [d if r.seed is None else token_seed(r.seed, r.seed_offset + len(r.output))
                      for r, d in zip(reqs, drawn, strict=True)]
             return self._fused_sample(logits, temperature, seeds)
         return sample(logits, temperature, [r.params.top_k for r in reqs], [r.params.top_p for r in reqs],
-                      [r.generator_on(self.device) for r in reqs], self.generator)
+                      [r.generator_on(self.device) for r in reqs], self.generator, [r.params.min_p for r in reqs])
 
     def profile_phases(self, enable: bool = True) -> dict[str, float]:
         """Diagnostics: with ``enable``, every step synchronises the device after each phase (schedule, forward,
@@ -312,7 +363,8 @@ class Engine:
         with torch.inference_mode(), self.local_forward():
             hidden = self.decoder(input_ids=torch.tensor([tokens], device=dev),
                                   position_ids=torch.tensor([positions], device=dev),
-                                  attention_mask=NO_MASK, paged=batch, use_cache=False).last_hidden_state[0]
+                                  attention_mask=NO_MASK, paged=batch, use_cache=False,
+                                  **mla.forward_kwargs(batch)).last_hidden_state[0]
             rows = hidden.index_select(0, torch.tensor(sample_at, dtype=torch.int64, device=dev))
             return self.lm_head(rows)
 
@@ -320,7 +372,7 @@ class Engine:
         req.output.append(token)
         req.logprobs.append(logprob)
         req.versions.append(self.version)
-        if token in req.stop_ids:
+        if token in req.stop_ids or (req.params.stop and self._stops.find(req.output, req.params.stop)):
             return "stop"
         if req.num_tokens >= req.max_len:
             return "length"
@@ -328,8 +380,9 @@ class Engine:
 
     def _complete(self, req: Request, reason: str) -> Completion:
         del self._requests[req.request_id]
+        stop_string = self._stops.find(req.output, req.params.stop) if reason == "stop" and req.params.stop else None
         return Completion(req.request_id, req.group_id, list(req.prompt), list(req.output), list(req.logprobs),
-                          reason, list(req.versions))
+                          reason, list(req.versions), stop_string)
 
 
 def _resolve_kernels(choice: str, device: torch.device) -> str:

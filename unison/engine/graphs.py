@@ -21,6 +21,7 @@ from contextlib import nullcontext
 
 import torch
 
+from . import mla
 from .attention import NO_MASK
 from .backend import PagedBatch
 from .cache import KVPool
@@ -109,7 +110,7 @@ class DecodeRunner:
         def forward() -> torch.Tensor:
             with torch.inference_mode(), fused_norms(self.decoder), fused_rope(self.decoder), self.local_forward():
                 hidden = self.decoder(input_ids=ids, position_ids=positions, attention_mask=NO_MASK, paged=batch,
-                                      use_cache=False).last_hidden_state[0]
+                                      use_cache=False, **mla.forward_kwargs(batch)).last_hidden_state[0]
                 return self.lm_head(hidden)
 
         if not self.use_graphs:

@@ -4,7 +4,8 @@ recompute, chunked prefill after a prefix-cache hit) through varlen attention ov
 Where varlen attention is missing (the CPU, torch < 2.9) chunks fall back to the reference's per-request SDPA;
 the decode kernel then runs in Triton's interpreter, which is how the CPU tests exercise it. Layers that flash
 cannot run (attention logit softcapping) take the reference for their chunks on the GPU too; attention sinks
-and different key and value widths (MLA) run in both kernels.
+and different key and value widths (MLA) run in both kernels; an MLA latent cache decodes through its own kernel
+(``triton_mla``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from .attention_ops import torch_varlen_attn, varlen_attention, varlen_supported
 from .backend import StepLayout, context_slots, prefill_reference
 from .triton_attention import num_splits, paged_decode
+from .triton_mla import is_latent, mla_decode
 
 
 @dataclass
@@ -93,11 +95,11 @@ class TritonPagedBackend:
                softcap: float | None = None) -> torch.Tensor:
         layer = dict(sinks=sinks, softcap=softcap)
         if state.decode_rows is None and state.chunk_rows is None and not state.prefills:
-            return self._decode(state, k_pool, v_pool, q, scale, window, **layer)
+            return self.decode(state, k_pool, v_pool, q, scale, window, **layer)
         out = q.new_empty(*q.shape[:-1], v_pool.shape[-1])
         if state.block_tables is not None:
             rows = state.decode_rows
-            out.index_copy_(0, rows, self._decode(state, k_pool, v_pool, q.index_select(0, rows), scale, window,
+            out.index_copy_(0, rows, self.decode(state, k_pool, v_pool, q.index_select(0, rows), scale, window,
                                                   **layer))
         if state.prefills:
             prefill_reference(state.prefills, k_pool, v_pool, q, out, scale, window, **layer)
@@ -113,6 +115,10 @@ class TritonPagedBackend:
                 prefill_reference(spans, k_pool, v_pool, q, out, scale, window, **layer)
         return out
 
-    def _decode(self, state: TritonState, k_pool, v_pool, q, scale, window, sinks, softcap) -> torch.Tensor:
+    def decode(self, state: TritonState, k_pool, v_pool, q, scale, window, sinks=None, softcap=None) -> torch.Tensor:
+        """The step's decode queries alone (``q``: (Sd, H, Dk), the rows of ``state.decode_rows`` or every row)."""
+        if window is None and sinks is None and softcap is None and is_latent(k_pool, v_pool):
+            return mla_decode(q, k_pool, v_pool.shape[-1], state.block_tables, state.context_lens, self.block_size,
+                              scale, splits=state.splits)
         return paged_decode(q, k_pool, v_pool, state.block_tables, state.context_lens, self.block_size, scale,
                             window, splits=state.splits, sinks=sinks, softcap=softcap, **self.kernel_args)

@@ -28,8 +28,13 @@ class EngineConfig:
     seed: int | None = None
     """Seed of the engine's generator for requests without their own seed."""
     attention: Literal["auto", "torch", "triton"] = "auto"
-    """The engine's kernels: paged attention, and the sampler of rows without top-k/top-p (the fused one-pass
-    sampler with triton). auto: the Triton kernels on CUDA, the pure-PyTorch reference elsewhere."""
+    """The engine's kernels: paged attention, and the sampler of batches without top-k/top-p/min-p (the fused
+    one-pass sampler with triton; the repetition penalty is applied before either sampler). auto: the Triton
+    kernels on CUDA, the pure-PyTorch reference elsewhere."""
+    mla_cache: Literal["latent", "expanded"] = "latent"
+    """Multi-head latent attention (DeepSeek-V2/V3 families): cache each token's compressed latent and attend with
+    the up-projections absorbed (latent), or cache the per-head keys and values the attention function receives
+    (expanded: heads * (qk_nope + qk_rope + v_head_dim) per token instead of kv_lora_rank + qk_rope_head_dim)."""
     cuda_graphs: bool = True
     """With the Triton backend, run decode-only steps through CUDA graphs (captured per batch size on first use;
     on the CPU the same static-buffer path runs eagerly)."""
@@ -53,11 +58,20 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     """0 keeps the whole vocabulary."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one (after top-k/top-p); 0 keeps all."""
+    repetition_penalty: float = 1.0
+    """HF's: the logit x of each token in the prompt or the output so far becomes x / p if x > 0 else x * p,
+    before temperature; 1 is off."""
     n: int = 1
     """Samples of the prompt (a group); they share the prompt's KV blocks."""
     stop_token_ids: tuple[int, ...] | None = None
     """Stop on any of these ids (the stop token is part of the completion). None: the model's eos ids."""
     seed: int | None = None
+    stop: tuple[str, ...] = ()
+    """Stop strings: the completion ends at the first occurrence of any of them in its decoded text (the engine
+    needs the tokenizer). Its tokens run through the token that completes the string (sampled, with its logprob);
+    ``completion_text`` cuts the text before the string (excluded, as vLLM does by default)."""
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -70,6 +84,14 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 is off), "
+                             f"got {self.repetition_penalty}")
+        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(self.stop))
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
@@ -86,3 +108,6 @@ class Completion:
     logprobs: list[float]
     finish_reason: Literal["stop", "length", "abort"]
     weight_versions: list[int] = field(default_factory=list)
+    stop_string: str | None = None
+    """The stop string (``SamplingParams.stop``) that ended it; None when a stop token, the length or an abort
+    did."""

@@ -13,10 +13,12 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Literal
 
 from ..dist.runtime import ReadyAgreement
 from ..engine import Completion, GenerationEngine, SamplingParams
 from ..engine.seeding import group_seed
+from ..engine.stop import completion_text
 from .advantage import group_advantages
 from .rewards import RewardFn, RewardScorer, Scorer
 from .sample import Sample
@@ -33,12 +35,30 @@ class RolloutConfig:
     max_concurrent_rollouts: int = 64
     """Samples in flight in the engine at once (per engine: each data-parallel replica has one)."""
     max_new_tokens: int = 128
+    """The longest completion, in tokens (a longer one ends with finish "length")."""
     temperature: float = 1.0
+    """Sampling temperature (0: greedy); the trainer's logprobs use the same one."""
     top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of most likely tokens whose mass reaches top_p; 1 keeps all."""
     top_k: int = 0
+    """0 keeps the whole vocabulary."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one; 0 keeps all. Like top_p/top_k, a cut makes the
+    engine's sampling distribution differ from the trained one (importance sampling sees it as mismatch)."""
+    repetition_penalty: float = 1.0
+    """HF's: the raw logit x of each token already in the prompt or the completion becomes x / p if x > 0 else
+    x * p; 1 is off."""
+    stop: list[str] = dataclasses.field(default_factory=list)
+    """Stop strings: a completion ends at the first occurrence of any of them. Its tokens (trained on) run through
+    the token that completes the string; the text the rewards see ends before it."""
     max_staleness: int = 1
     """Samples sampled more than this many weight versions ago are dropped."""
     advantage_eps: float = 1e-6
+    """Added to the group's reward std in (r - mean) / (std + eps)."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """TRL's: 'group' divides each group's centred rewards by the group's std; 'batch' by the std of the trained
+    batch's rewards (every replica's; PPO-Lite); 'none' keeps them centred only (Dr. GRPO). The population std plus
+    advantage_eps (TRL: Bessel-corrected, + 1e-4); groups whose rewards are all equal are dropped in every mode."""
 
     def __post_init__(self):
         if self.group_size < 2:
@@ -51,14 +71,21 @@ class RolloutConfig:
                              f"group ({self.group_size})")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
-        SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                       top_k=self.top_k)  # validates the sampling fields
+        if self.scale_rewards not in ("group", "batch", "none"):
+            raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {self.scale_rewards!r}")
+        self.sampling_params()  # validates the sampling fields
+
+    def sampling_params(self, **fields) -> SamplingParams:
+        """The engine's sampling parameters of this section (``fields`` set the rest: n, stop_token_ids, ...)."""
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                              stop=tuple(self.stop), **fields)
 
 
 @dataclass
 class _Group:
     row: dict
-    prompt_text: str
+    prompt_text: str | list[dict]  # the row's prompt: the user message, or a conversation
     pending: int  # samples still in the engine
     landed: list[tuple[Completion, float | None]]
 
@@ -81,9 +108,7 @@ class RolloutLoop:
         self.max_sample_tokens = max_sample_tokens
         self.scorer = scorer or RewardScorer(reward_fns)
         self.agreement = agreement
-        self.params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                     top_p=cfg.top_p, top_k=cfg.top_k, n=cfg.group_size,
-                                     stop_token_ids=stop_token_ids)
+        self.params = cfg.sampling_params(n=cfg.group_size, stop_token_ids=stop_token_ids)
         self.rng = random.Random(seed)
         # Each group samples with its own seed: its completions then depend only on the run's seed, never on what
         # else the engine batches with it (preemption, KV lending, the concurrency setting).
@@ -209,6 +234,11 @@ class RolloutLoop:
     def _encode(self, text: str) -> list[int]:
         return encode_prompt(self.tokenizer, text, self.system_prompt)
 
+    def land(self, completions: list[Completion]) -> None:
+        """File the completions of this loop's requests that an engine step taken by another caller returned (an
+        evaluation stepping the same engine); others are left to that caller."""
+        self._land([c for c in completions if c.request_id in self.in_engine])
+
     def _land(self, completions: list[Completion]) -> None:
         """Score what one engine step finished (in one call: one collective under tensor parallelism), then file
         each completion with its group."""
@@ -216,9 +246,10 @@ class RolloutLoop:
         rows = [self.in_engine[c.request_id].row for c in finished]
         keys = dict.fromkeys(k for row in rows for k in row if k != "prompt")
         columns = {k: [row.get(k) for row in rows] for k in keys}
-        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in finished]
+        texts = [completion_text(self.tokenizer, c) for c in finished]  # cut before a stop string
         prompts = [self.in_engine[c.request_id].prompt_text for c in finished]
-        scored = self.scorer.score(prompts, texts, columns) if finished else []
+        ids = [list(c.token_ids) for c in finished]
+        scored = self.scorer.score(prompts, texts, columns, ids) if finished else []
         scores = dict(zip((c.request_id for c in finished), scored, strict=True))
         for completion in completions:
             group = self.in_engine.pop(completion.request_id)
@@ -242,7 +273,7 @@ class RolloutLoop:
 
     def _close(self, group: _Group, group_id: str) -> None:
         scored = [(c, r) for c, r in group.landed if r is not None]
-        advantages = group_advantages([r for _, r in scored], self.cfg.advantage_eps)
+        advantages = group_advantages([r for _, r in scored], self.cfg.advantage_eps, self.cfg.scale_rewards)
         if advantages is None:
             self.counts["zero_std_groups"] += 1
             return
@@ -285,11 +316,18 @@ class RolloutLoop:
         return m
 
 
-def encode_prompt(tokenizer, text: str, system_prompt: str | None = None) -> list[int]:
-    """The chat template applied (assistant turn opened) where the tokenizer has one, else the plain text."""
+def encode_prompt(tokenizer, text: str | list[dict], system_prompt: str | None = None) -> list[int]:
+    """The chat template applied (assistant turn opened) where the tokenizer has one, else the plain text. ``text``
+    is the user message, or a conversation (``{"role", "content"}`` messages; ``system_prompt`` goes first unless
+    it opens with a system message of its own)."""
+    conversation = isinstance(text, list)
     if not getattr(tokenizer, "chat_template", None):
+        if conversation:
+            raise ValueError("a conversational prompt (a list of messages) needs a tokenizer with a chat template")
         return tokenizer(text)["input_ids"]
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": text})
+    if conversation and text and text[0].get("role") == "system":
+        messages = []
+    messages += text if conversation else [{"role": "user", "content": text}]
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]

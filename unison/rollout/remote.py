@@ -60,7 +60,8 @@ class RemoteEngine:
         self._groups += 1
         payload = {"prompt": [int(t) for t in prompt_ids], "max_tokens": params.max_new_tokens,
                    "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "n": params.n,
-                   "seed": params.seed,
+                   "seed": params.seed, "min_p": params.min_p, "repetition_penalty": params.repetition_penalty,
+                   "stop": list(params.stop),
                    "stop_token_ids": list(params.stop_token_ids) if params.stop_token_ids is not None else None}
         future = self.pool.submit(post_json, f"{url}/v1/completions", payload, self.timeout, self.token)
         ids = [f"{group}-{i}" for i in range(params.n)]
@@ -116,7 +117,7 @@ class RemoteEngine:
             choices = [{"token_ids": [], "logprobs": [], "finish_reason": "abort", "weight_versions": []}] * len(
                 call.request_ids)
         return [Completion(request_id, call.group_id, call.prompt, c["token_ids"], _logprobs(c), c["finish_reason"],
-                           c["weight_versions"])
+                           c["weight_versions"], c.get("stop_string"))
                 for request_id, c in zip(call.request_ids, choices, strict=False) if request_id in call.live]
 
 

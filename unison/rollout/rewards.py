@@ -1,7 +1,11 @@
 """Scoring completions with plain reward callables, isolating their failures.
 
-A reward function is ``fn(prompts, completions, **columns) -> list[float | None]``: ``columns`` holds the
-dataset row's other fields as lists aligned with ``prompts`` (``answer=[...]``). A value is a real number: an
+A reward function is ``fn(prompts, completions, completion_ids, **columns) -> list[float | None]``, TRL's
+signature: ``columns`` holds the dataset row's other fields as lists aligned with ``prompts`` (``answer=[...]``);
+``completion_ids`` (the completions' token ids) is passed to a function that names it or takes ``**kwargs``. Where a
+prompt is conversational (a list of ``{"role", "content"}`` messages) its completion is passed as TRL passes it,
+``[{"role": "assistant", "content": text}]``. An ``async def`` function is awaited, all of them concurrently. A
+value is a real number: an
 int, a float, a bool (an exact-match check may return ``c == a``: True scores 1.0), a numpy scalar or a 0-d
 numpy array or torch tensor. ``None`` means "no reward for this one" (a closeness reward on a non-numeric
 answer): it adds nothing. An exception, a NaN or inf, anything else in place of a number (a string such as
@@ -20,6 +24,9 @@ function every ``SUMMARY_EVERY_S`` seconds.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import inspect
 import logging
 import math
 import numbers
@@ -49,8 +56,8 @@ class Scorer(Protocol):
     missing: Counter
     """Reward function name -> completions it failed to score so far, as far as this process knows."""
 
-    def score(self, prompts: list[str], completions: list[str], columns: dict[str, list]
-              ) -> list[tuple[float | None, dict[str, float]]]:
+    def score(self, prompts: list, completions: list[str], columns: dict[str, list],
+              completion_ids: list[list[int]] | None = None) -> list[tuple[float | None, dict[str, float]]]:
         """Per completion: the weighted reward (None where none can be given) and each function's value."""
 
     def missing_report(self) -> str | None:
@@ -68,7 +75,7 @@ class RewardScorer:
         if not reward_fns:
             raise ValueError("at least one reward function is needed")
         self.reward_fns = list(reward_fns)
-        self.names = [getattr(fn, "__name__", type(fn).__name__) for fn, _ in self.reward_fns]
+        self.names = _unique([getattr(fn, "__name__", type(fn).__name__) for fn, _ in self.reward_fns])
         self.missing = Counter()  # reward function name -> completions it failed to score
         self.last_failure: dict[str, str] = {}  # reward function name -> why it failed last
         self.scored = 0  # completions scored so far
@@ -76,16 +83,19 @@ class RewardScorer:
         self._unlogged = Counter()  # name -> failures since its last log line
         self._logged_at: dict[str, float] = {}  # name -> time.monotonic() of its last log line
 
-    def score(self, prompts: list[str], completions: list[str], columns: dict[str, list]
-              ) -> list[tuple[float | None, dict[str, float]]]:
+    def score(self, prompts: list, completions: list[str], columns: dict[str, list],
+              completion_ids: list[list[int]] | None = None) -> list[tuple[float | None, dict[str, float]]]:
         """Per completion: the weighted reward of the functions that apply (None where one failed or none
-        applies) and each applying function's value."""
+        applies) and each applying function's value. ``prompts[i]`` is a string or a list of messages;
+        ``completion_ids[i]`` the token ids of ``completions[i]`` (None: not known, passed as None)."""
         n = len(completions)
         self.scored += n
         totals: list[float | None] = [0.0] * n
         parts: list[dict[str, float]] = [{} for _ in range(n)]
-        for name, (fn, weight) in zip(self.names, self.reward_fns, strict=True):
-            for i, v in enumerate(self._call(fn, prompts, completions, columns)):
+        call = _Call(list(prompts), _as_trl_completions(prompts, completions),
+                     list(completion_ids) if completion_ids is not None else [None] * n, columns)
+        for name, (_, weight), values in zip(self.names, self.reward_fns, self._all_values(call), strict=True):
+            for i, v in enumerate(values):
                 if v is None:  # does not apply to this completion
                     continue
                 if isinstance(v, _Failed):
@@ -114,17 +124,41 @@ class RewardScorer:
                        "returned None)")
         return "; ".join(why)
 
-    def _call(self, fn: RewardFn, prompts, completions, columns) -> list[float | None | _Failed]:
+    def _all_values(self, call: _Call) -> list[list[float | None | _Failed]]:
+        """Each function's values, in order: the plain functions one after another, the async ones awaited together
+        (a verifier that waits on a sandbox or an API should not wait for the others)."""
+        out: list = [None] * len(self.reward_fns)
+        waiting = []
+        for k, (fn, _) in enumerate(self.reward_fns):
+            if _is_async(fn):
+                waiting.append(k)
+            else:
+                out[k] = self._call(fn, call)
+        if waiting:
+            async def gather():
+                return await asyncio.gather(*(self._acall(self.reward_fns[k][0], call) for k in waiting))
+            for k, values in zip(waiting, _run_coroutine(gather()), strict=True):
+                out[k] = values
+        return out
+
+    def _call(self, fn: RewardFn, call: _Call) -> list[float | None | _Failed]:
         try:
-            values = list(fn(prompts, completions, **columns))
-            if len(values) != len(completions):
-                raise ValueError(f"returned {len(values)} values for {len(completions)} completions")
+            values = call.invoke(fn)
+            if inspect.isawaitable(values):  # a callable object whose __call__ is async
+                values = _run_coroutine(_await(values))
+            return _checked(values, len(call.completions))
         except Exception as e:  # a user's reward function must not end the run
-            if len(completions) > 1:  # isolate the completions it fails on: score them one at a time
-                return [self._call(fn, prompts[i:i + 1], completions[i:i + 1],
-                                   {k: v[i:i + 1] for k, v in columns.items()})[0] for i in range(len(completions))]
+            if len(call.completions) > 1:  # isolate the completions it fails on: score them one at a time
+                return [self._call(fn, one)[0] for one in call.split()]
             return [_Failed(f"{type(e).__name__}: {e}"[:300])]
-        return [None if v is None else _as_reward(v) for v in values]
+
+    async def _acall(self, fn: RewardFn, call: _Call) -> list[float | None | _Failed]:
+        try:
+            return _checked(await call.invoke(fn), len(call.completions))
+        except Exception as e:  # as in _call: isolated, concurrently
+            if len(call.completions) > 1:
+                return [v[0] for v in await asyncio.gather(*(self._acall(fn, one) for one in call.split()))]
+            return [_Failed(f"{type(e).__name__}: {e}"[:300])]
 
     def _failed(self, name: str, why: str) -> None:
         self.missing[name] += 1
@@ -143,6 +177,91 @@ class RewardScorer:
                         why)
             self._unlogged[name] = 0
             self._logged_at[name] = now
+
+
+def _unique(names: list[str]) -> list[str]:
+    """``names`` with a repeated one numbered (``accuracy``, ``accuracy_2``): each function's value is kept apart."""
+    seen: Counter = Counter()
+    out = []
+    for name in names:
+        seen[name] += 1
+        out.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+    return out
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One scoring call's arguments, aligned by index."""
+
+    prompts: list
+    completions: list
+    completion_ids: list
+    columns: dict[str, list]
+
+    def invoke(self, fn: RewardFn):
+        """``fn``'s result (or awaitable). A function with a ``completions`` parameter is called as TRL calls it,
+        everything by keyword (``def reward_len(completions, **kwargs)`` works); any other positionally."""
+        columns = self.columns
+        if "completion_ids" not in columns and _takes(fn, "completion_ids"):
+            columns = {"completion_ids": self.completion_ids, **columns}
+        if _named(fn, "completions"):
+            return fn(prompts=self.prompts, completions=self.completions, **columns)
+        return fn(self.prompts, self.completions, **columns)
+
+    def split(self) -> list[_Call]:
+        return [_Call(self.prompts[i:i + 1], self.completions[i:i + 1], self.completion_ids[i:i + 1],
+                      {k: v[i:i + 1] for k, v in self.columns.items()}) for i in range(len(self.completions))]
+
+
+def _as_trl_completions(prompts: Sequence, completions: Sequence[str]) -> list:
+    """TRL's form: a conversational prompt's completion is the assistant message."""
+    return [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
+            for p, c in zip(prompts, completions, strict=True)]
+
+
+def _takes(fn: RewardFn, name: str) -> bool:
+    """Whether ``fn`` accepts the keyword ``name`` (named, or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: pass it, as TRL does
+        return True
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _named(fn: RewardFn, name: str) -> bool:
+    """Whether ``fn`` has a parameter ``name`` that can be passed by keyword."""
+    try:
+        param = inspect.signature(fn).parameters.get(name)
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                inspect.Parameter.KEYWORD_ONLY)
+
+
+def _is_async(fn: RewardFn) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+async def _await(awaitable):
+    return await awaitable
+
+
+def _run_coroutine(coroutine):
+    """Run ``coroutine`` to completion from this synchronous code; in a thread of its own where this thread already
+    runs an event loop (a notebook), since asyncio.run cannot nest."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+def _checked(values, n: int) -> list[float | None | _Failed]:
+    values = list(values)
+    if len(values) != n:
+        raise ValueError(f"returned {len(values)} values for {n} completions")
+    return [None if v is None else _as_reward(v) for v in values]
 
 
 def _as_reward(value) -> float | _Failed:

@@ -11,6 +11,10 @@ class Sample:
 
     ``engine_logprobs[i]`` is the engine's logprob of ``completion_ids[i]`` under the distribution it was
     sampled from (after temperature); ``weight_versions[i]`` the weight version that sampled it.
+
+    A multi-turn episode is one sample whose completion interleaves the model's turns with tool and environment
+    tokens: ``completion_mask[i]`` is True where ``completion_ids[i]`` is the model's (trained, with its engine
+    logprob), False for context tokens (their logprob entries are placeholders, never used). None: all trained.
     """
 
     prompt_ids: tuple[int, ...]
@@ -21,16 +25,24 @@ class Sample:
     advantage: float
     group_id: str = ""
     finish_reason: str = "stop"
+    completion_mask: tuple[bool, ...] | None = None
 
     def __post_init__(self):
         if not self.prompt_ids or not self.completion_ids:
             raise ValueError("a Sample needs a non-empty prompt and completion")
         if len(self.engine_logprobs) != len(self.completion_ids):
             raise ValueError(f"{len(self.engine_logprobs)} engine logprobs for {len(self.completion_ids)} tokens")
+        if self.completion_mask is not None and len(self.completion_mask) != len(self.completion_ids):
+            raise ValueError(f"a completion mask of {len(self.completion_mask)} for {len(self.completion_ids)} tokens")
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """The completion tokens trained on (the model's own)."""
+        return len(self.completion_ids) if self.completion_mask is None else sum(self.completion_mask)
 
     @property
     def oldest_version(self) -> int:

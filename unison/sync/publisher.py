@@ -26,6 +26,9 @@ class SyncConfig:
     renamed_keys: ClassVar[dict[str, str]] = {
         "url": "sync.fsspec.url (sync.transport=fsspec) or sync.dist.init_method (sync.transport=dist)"}
     mode: Literal["colocated", "sparse", "full"] = "colocated"
+    """Where rollouts are generated: ``colocated`` (the trainer's own engine, on the same weights) or on `unison
+    serve` servers (sync.servers), which after each step receive the changed bf16 elements (``sparse``) or the
+    whole state dict (``full``)."""
     transport: Literal["http", "fsspec", "dist"] = "http"
     """How patches reach the servers: ``http`` (a POST to each of sync.servers), ``fsspec`` (a directory they poll,
     sync.fsspec) or ``dist`` (a process group with them, sync.dist)."""
@@ -36,6 +39,7 @@ class SyncConfig:
     anchor_every: int = 50
     """Also send a full anchor every this many syncs (0: only when a server asks)."""
     timeout_s: float = 600.0
+    """Seconds to wait for a server's answer (a completion request, a patch) or a process group's collective."""
     token: str = ""
     """The servers' shared secret (``unison serve --token``), sent as ``Authorization: Bearer`` on every request to
     them; empty: ``$UNISON_SYNC_TOKEN`` if set, else none."""

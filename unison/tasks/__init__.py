@@ -1,8 +1,9 @@
 """Datasets and reward functions: what the policy is asked, and how its answers are scored.
 
-``load_task(DataConfig(source=...))`` takes a reasoning-gym task name (generated, no download) or a
-data file whose rows have ``prompt`` and ``answer`` (.jsonl, .json, .csv; .parquet or a ``datasets``
-folder where the ``datasets`` package is installed).
+``load_task(DataConfig(source=...))`` takes a reasoning-gym task name (generated, no download), a data file whose
+rows have a prompt and an answer column (.jsonl, .json, .csv; .parquet or a ``datasets`` folder where the
+``datasets`` package is installed) or a Hub data set id. A prompt is a string (the user message) or a conversation
+(a list of ``{"role", "content"}`` messages); ``DataConfig.eval_split`` / ``eval_source`` give held-out rows.
 
 >>> task = load_task(DataConfig(size=4))
 >>> sorted(task.rows[0])[:3], len(task.reward_fns)
@@ -12,9 +13,11 @@ folder where the ``datasets`` package is installed).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import logging
+import random
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -28,15 +31,48 @@ __all__ = ["DEFAULT_TASK", "DataConfig", "Task", "chat_prompt", "combine", "load
 
 
 def load_task(cfg: DataConfig) -> Task:
-    path = Path(cfg.source).expanduser()
-    if path.exists() or path.suffix or "/" in cfg.source:  # reasoning-gym names have neither
-        rows = load_rows(path)
+    from unison.tasks.multiturn import MULTI_TURN_TASKS
+
+    if cfg.source in MULTI_TURN_TASKS:
+        task = MULTI_TURN_TASKS[cfg.source](cfg)
+    elif _is_gym_name(cfg.source):
+        from unison.tasks.gym import gym_task
+
+        task = gym_task(cfg)
+    else:
+        rows = load_rows(cfg.source, cfg.prompt_column, cfg.answer_column, cfg.split, cfg.subset)
         # math-verify judges numbers, fractions and LaTeX alike; a non-math answer falls back to equality.
         fns: list[tuple[RewardFn, float]] = [(MathReward(), 1.0), (FormatReward(), 0.1)]
-        return Task(path.name, rows, fns, cfg.system_prompt)
-    from unison.tasks.gym import gym_task
+        task = Task(Path(cfg.source).name, rows, fns, cfg.system_prompt)
+    rows, eval_rows = _held_out(cfg, task.rows)
+    return dataclasses.replace(task, rows=rows, eval_rows=eval_rows)
 
-    return gym_task(cfg)
+
+def _is_gym_name(source: str) -> bool:
+    path = Path(source).expanduser()
+    return not (path.exists() or path.suffix or "/" in source)  # reasoning-gym names have neither
+
+
+def _held_out(cfg: DataConfig, rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(training rows, evaluation rows) as ``cfg.eval_split`` / ``cfg.eval_source`` say."""
+    if cfg.eval_source:
+        return rows, load_rows(cfg.eval_source, cfg.prompt_column, cfg.answer_column, cfg.split, cfg.subset)
+    if cfg.eval_split is None:
+        return rows, []
+    if isinstance(cfg.eval_split, float):
+        n = round(cfg.eval_split * len(rows))
+        if not 0 < n < len(rows):
+            raise InvalidInputError(f"data.eval_split={cfg.eval_split} of {len(rows)} rows holds out {n}: it must "
+                                    "leave at least one row to evaluate on and one to train on")
+        order = list(range(len(rows)))
+        random.Random(f"{cfg.seed}/eval_split").shuffle(order)
+        held = set(order[:n])
+        return [r for i, r in enumerate(rows) if i not in held], [rows[i] for i in sorted(held)]
+    path = Path(cfg.source).expanduser()
+    if _is_gym_name(cfg.source) or (path.is_file()):
+        raise InvalidInputError(f"data.eval_split={cfg.eval_split!r}: {cfg.source} has one split; hold out a "
+                                "fraction (data.eval_split=0.1) or name another file (data.eval_source)")
+    return rows, load_rows(cfg.source, cfg.prompt_column, cfg.answer_column, cfg.eval_split, cfg.subset)
 
 
 def chat_prompt(tokenizer, prompt: str, system_prompt: str | None = None) -> str:
@@ -46,29 +82,72 @@ def chat_prompt(tokenizer, prompt: str, system_prompt: str | None = None) -> str
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def load_rows(path: str | Path) -> list[dict]:
-    """Rows of a data file with ``prompt`` and ``answer``; rows missing either are skipped with a warning.
+def load_rows(source: str | Path, prompt_column: str = "prompt", answer_column: str = "answer",
+              split: str | None = None, subset: str | None = None) -> list[dict]:
+    """Rows of a data file, ``datasets`` folder or Hub data set with a prompt and (unless ``answer_column`` is "")
+    an answer; rows missing either are skipped with a warning. Each row keeps its columns and gets ``prompt`` (a
+    string, or a list of messages) and ``answer`` (a string) from the named ones.
 
     Raises ``MissingInputError`` (a FileNotFoundError) for a missing path and ``InvalidInputError`` (a ValueError)
     for a file that does not decode or parse, or has no usable row; the message names the file and line.
     """
-    path = Path(path).expanduser()
-    if not path.exists():
+    path = Path(source).expanduser()
+    if path.exists():
+        reader = _READERS.get(path.suffix) if path.is_file() else None
+        raw = reader(path) if reader is not None else _hf().read_local(path, split)
+    elif isinstance(source, str) and "/" in source and not path.suffix and source[0] not in "./~":
+        raw = _hf().read_hub(source, subset, split or "train")
+    else:
         raise MissingInputError(f"data file {path} does not exist")
-    reader = _READERS.get(path.suffix, _read_datasets)
-    rows, bad = [], []
-    for index, row in enumerate(reader(path)):
-        if not isinstance(row, dict) or not _text(row.get("prompt")) or row.get("answer") in (None, ""):
+    rows, bad, seen_columns = [], [], None
+    for index, row in enumerate(raw):
+        if seen_columns is None and isinstance(row, dict):
+            seen_columns = sorted(row)
+        usable = _usable_row(row, prompt_column, answer_column)
+        if usable is None:
             bad.append(index)
-            continue
-        rows.append({**row, "prompt": str(row["prompt"]), "answer": str(row["answer"])})
+        else:
+            rows.append(usable)
+    columns = f"a prompt (column {prompt_column!r})" + (f" and an answer ({answer_column!r})" if answer_column else "")
     if bad:
-        log.warning("%s: skipped %d row(s) without a prompt or an answer, at index %s", path, len(bad),
+        log.warning("%s: skipped %d row(s) without %s, at index %s", source, len(bad), columns.replace(" and ", " or "),
                     ", ".join(map(str, bad[:20])) + (" ..." if len(bad) > 20 else ""))
     if not rows:
-        what = "is empty" if not bad else f"has no row with a prompt and an answer ({len(bad)} skipped)"
-        raise InvalidInputError(f"data file {path} {what}")
+        what = "is empty" if not bad else f"has no row with {columns} ({len(bad)} skipped)"
+        if seen_columns is not None:
+            what += f"; its columns: {seen_columns} (data.prompt_column and data.answer_column name them)"
+        raise InvalidInputError(f"data file {source} {what}")
     return rows
+
+
+def _hf():
+    from unison.tasks import hf
+
+    return hf
+
+
+def _usable_row(row, prompt_column: str, answer_column: str) -> dict | None:
+    if not isinstance(row, dict):
+        return None
+    prompt, answer = row.get(prompt_column), row.get(answer_column) if answer_column else None
+    if _text(prompt):
+        prompt = str(prompt)
+    elif _is_conversation(prompt):
+        prompt = [dict(m) for m in prompt]
+    else:
+        return None
+    if answer_column and answer in (None, ""):
+        return None
+    out = {**row, "prompt": prompt}
+    if answer_column:
+        out["answer"] = str(answer)
+    return out
+
+
+def _is_conversation(value) -> bool:
+    """A list of ``{"role": str, "content": str}`` messages (TRL's conversational prompt)."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
 
 
 def _text(value) -> bool:
@@ -109,21 +188,6 @@ def _read_json(path: Path) -> Iterable[dict]:
 
 def _read_csv(path: Path) -> Iterable[dict]:
     return csv.DictReader(io.StringIO(_read_text(path), newline=""))
-
-
-def _read_datasets(path: Path) -> Iterable[dict]:
-    try:
-        import datasets
-    except ImportError:
-        raise ValueError(f"{path}: reading {path.suffix or 'a folder'} needs `pip install datasets`; "
-                         f"or give a .jsonl, .json or .csv file") from None
-    if path.is_dir():
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-    else:
-        ds = datasets.load_dataset(path.suffix.lstrip("."), data_files=str(path), split="train")
-    return iter(ds)
 
 
 _READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv}

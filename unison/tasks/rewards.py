@@ -2,7 +2,8 @@
 
 A reward function takes the prompts, the completions and the dataset's other columns (lists aligned
 with the prompts) and returns one float per completion, or None where it does not apply (a closeness
-reward on a non-numeric answer); ``combine`` adds the weighted rewards that apply.
+reward on a non-numeric answer); ``combine`` adds the weighted rewards that apply. A completion is a string,
+or (TRL's conversational form) a list of messages whose last one holds the text.
 
 >>> fmt = FormatReward()
 >>> fmt(["What is 2 + 3?"], ["<answer>5</answer>"])
@@ -98,7 +99,7 @@ class FormatReward:
     0.5 for tags with text after them or for several, 0.0 without a closed tag."""
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns) -> list[float | None]:
-        return [_format_score(c) for c in completions]
+        return [_format_score(completion_text(c)) for c in completions]
 
 
 def _format_score(completion: str) -> float:
@@ -123,7 +124,7 @@ class ExactAnswerReward:
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns) -> list[float | None]:
         out: list[float | None] = []
-        for i, completion in enumerate(completions):
+        for i, completion in enumerate(map(completion_text, completions)):
             answer = extract_answer(completion)
             row = {k: v[i] for k, v in columns.items()}
             score = 0.0 if answer is None else float(self.score(answer, row))
@@ -155,7 +156,7 @@ class ClosenessReward:
             if g is None:
                 out.append(None)
                 continue
-            p = to_number(extract_answer(completion))
+            p = to_number(extract_answer(completion_text(completion)))
             out.append(0.0 if p is None else math.exp(-abs(p - g) / max(1.0, abs(g) / 10)))
         return out
 
@@ -168,7 +169,36 @@ class MathReward:
     """
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns) -> list[float | None]:
-        return [_math_equal(c, str(g)) for c, g in zip(completions, columns["answer"], strict=True)]
+        return [_math_equal(completion_text(c), str(g)) for c, g in zip(completions, columns["answer"], strict=True)]
+
+
+class SoftOverlongPunishment:
+    """TRL's ``get_soft_overlong_punishment`` (DAPO): 0 up to ``max_completion_len - soft_punish_cache`` tokens,
+    then falling linearly to -1 at ``max_completion_len``, -1 past it.
+
+    >>> SoftOverlongPunishment(10, 4)([""] * 3, [""] * 3, completion_ids=[[0] * 6, [0] * 8, [0] * 11])
+    [0.0, -0.5, -1.0]
+    """
+
+    __name__ = "soft_overlong_punishment"
+
+    def __init__(self, max_completion_len: int, soft_punish_cache: int):
+        if not 0 < soft_punish_cache <= max_completion_len:
+            raise ValueError(f"soft_overlong_punishment needs 0 < soft_punish_cache ({soft_punish_cache}) <= "
+                             f"max_completion_len ({max_completion_len})")
+        self.max_len, self.cache = max_completion_len, soft_punish_cache
+
+    def __call__(self, prompts, completions, completion_ids, **columns) -> list[float | None]:
+        free = self.max_len - self.cache
+        return [0.0 if len(ids) <= free else (free - len(ids)) / self.cache if len(ids) <= self.max_len else -1.0
+                for ids in completion_ids]
+
+
+def completion_text(completion) -> str:
+    """The text of a completion: a string, or TRL's conversational ``[{"role": "assistant", "content": ...}]``."""
+    if isinstance(completion, list):
+        return str(completion[-1]["content"]) if completion else ""
+    return completion
 
 
 def _math_equal(completion: str, gold: str) -> float:

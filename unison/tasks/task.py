@@ -3,6 +3,7 @@ functions); ``unison.tasks.load_task`` makes one from the other."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from unison.tasks.rewards import RewardFn, combine
@@ -15,7 +16,23 @@ DEFAULT_TASK = "chain_sum"
 @dataclass
 class DataConfig:
     source: str = DEFAULT_TASK
-    """A reasoning-gym task name, or a file / ``datasets`` folder with ``prompt`` and ``answer`` columns."""
+    """A reasoning-gym task name; a data file (.jsonl, .json, .csv; .parquet and ``datasets`` folders through the
+    ``datasets`` package); or a Hugging Face Hub data set id (``openai/gsm8k``, through ``datasets``)."""
+    prompt_column: str = "prompt"
+    """The column holding the prompt: a string (the user message) or a conversation (a list of ``{role,
+    content}`` messages, rendered by the tokenizer's chat template)."""
+    answer_column: str = "answer"
+    """The column holding the reference answer, passed to reward functions as ``answer`` (and under its own
+    name); "": rows need none (reward functions that read other columns)."""
+    subset: str | None = None
+    """The Hub data set's configuration name (``main`` for openai/gsm8k)."""
+    split: str = "train"
+    """The split to train on (Hub data sets and ``datasets`` folders with several)."""
+    eval_split: float | str | None = None
+    """Held-out rows for evaluation (``eval.steps``): a split name of ``source`` (``test``), or a fraction in (0, 1)
+    of its rows, held out of training (chosen with ``seed``). None: ``eval_source``, or no evaluation."""
+    eval_source: str = ""
+    """A separate file or data set to evaluate on (its default split, the same columns)."""
     size: int = 1000
     """Rows to generate (reasoning-gym tasks); files keep all their rows."""
     seed: int = 0
@@ -25,15 +42,33 @@ class DataConfig:
     system_prompt: str | None = None
     """System message; None keeps the chat template's own default."""
 
+    def __post_init__(self):
+        if isinstance(self.eval_split, float) and not 0 < self.eval_split < 1:
+            raise ValueError(f"eval_split must be a split name or a fraction in (0, 1), got {self.eval_split}")
+        if self.eval_split is not None and self.eval_source:
+            raise ValueError("set eval_split (held out of source) or eval_source (another data set), not both")
+        if not self.prompt_column:
+            raise ValueError("prompt_column must name a column")
+
 
 @dataclass(frozen=True)
 class Task:
     name: str
     rows: list[dict]
-    """Each row: ``prompt`` (the user message), ``answer`` (str), any other columns."""
+    """Each row: ``prompt`` (the user message, or a list of messages), ``answer`` (str), any other columns."""
     reward_fns: list[tuple[RewardFn, float]]
     """``(fn, weight)``; ``fn(prompts, completions, **columns) -> list[float | None]``."""
     system_prompt: str | None = None
+    eval_rows: list[dict] = field(default_factory=list)
+    """Held-out rows to evaluate on (``DataConfig.eval_split`` / ``eval_source``); empty: none."""
+    tools: list[Callable] = field(default_factory=list)
+    """Plain tool functions for multi-turn episodes (``unison.episodes``); empty with no environment: single-turn."""
+    environment_factory: Callable[[], object] | None = None
+    """Makes one environment per episode (TRL's shape: ``reset(**row)``, public methods the tools)."""
+
+    @property
+    def multi_turn(self) -> bool:
+        return bool(self.tools) or self.environment_factory is not None
 
     def score(self, completions: list[str], rows: list[dict]) -> list[float]:
         """Weighted reward of each completion of the row at the same index."""

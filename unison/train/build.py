@@ -16,21 +16,26 @@ from ..dist.runtime import ReadyAgreement
 from ..dist.tensor_parallel import BroadcastScorer
 from ..dist.topology import Topology, init_topology
 from ..engine import Engine, EngineConfig
+from ..episodes.loop import MultiTurnRolloutLoop
 from ..metrics import MetricsWriter, NullMetricsWriter
 from ..models import load_policy, model_device, model_dtype, stop_token_ids
 from ..parity import check_parity
 from ..rollout.loop import RolloutLoop, encode_prompt
 from ..rollout.remote import RemoteEngine
+from ..rollout.reward_config import build_reward_fns
 from ..rollout.rewards import RewardScorer
 from ..sync.auth import resolve_token
 from ..sync.publisher import WeightPublisher
 from ..tasks import Task, load_task
 from .config import TrainConfig
+from .evaluate import Evaluator
+from .leak import check_packed_attention
 from .memory import MemoryPlan, auto_row_tokens, kv_blocks_for, plan_memory
 from .optimizer import MasterAdamW, build_optimizer
+from .reference import ReferenceModel, build_reference
+from .reporting import CompletionLog, RecordingScorer
 from .resume import load_resume_state, restore, run_record
 from .run_dir import check_run_dir, start_run
-from .step import check_packed_attention
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +58,9 @@ class Run:
     lend: bool  # the engine's KV memory is lent to each training step
     record: dict  # saved with each trainer state, for a resume to check against (unison.train.resume.run_record)
     start: int  # the first step to run (after a resume, the one after the checkpoint's)
+    reference: ReferenceModel | None = None  # the KL term's frozen initial policy (loss.beta > 0)
+    evaluator: Evaluator | None = None  # eval.steps > 0: the held-out prompts, every eval.steps steps
+    completions: CompletionLog | None = None  # log.completions_every > 0 (rank 0): sampled completions logged
 
 
 def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
@@ -70,22 +78,37 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
     device = str(topology.device)
     dtype = model_dtype(cfg.model.dtype, device)
     model, tokenizer = load_policy(cfg.resume or cfg.model.name_or_path, dtype=getattr(torch, dtype), device=device,
-                                   topology=topology)
+                                   topology=topology, chat_template=cfg.model.chat_template)
     check_packed_attention(model)
     check_parity(model, cfg.engine, topology)  # refuses a model unison computes differently from its own forward
     task = task or load_task(cfg.data)
-    optimizer = build_optimizer(model, cfg.optim, cfg.max_steps, topology)
+    if cfg.rewards:  # the config's reward functions replace the task's
+        task = dataclasses.replace(task, reward_fns=build_reward_fns(cfg.rewards, cfg.rollout.max_new_tokens))
+    optimizer = build_optimizer(model, cfg.optim, cfg.max_steps * cfg.step.num_iterations, topology)
+    reference = build_reference(model, cfg.loss.beta, cfg.optim.placement == "host", topology.tp is not None,
+                                initial=(lambda: load_policy(cfg.model.name_or_path, dtype=getattr(torch, dtype),
+                                                             device=device)[0]) if cfg.resume else None)
     longest_prompt = _longest_prompt(cfg, tokenizer, task)  # sizes the KV pool and the packed rows
-    engine, publisher = _engine(cfg, model, topology, seed, longest_prompt)
+    engine, publisher = _engine(cfg, model, tokenizer, topology, seed, longest_prompt)
     lend = publisher is None and cfg.memory.lends(engine.device)
     plan, row_tokens = _memory_plan(cfg, model, engine.pool.nbytes if publisher is None else 0, lend, longest_prompt)
     stop_ids = stop_token_ids(tokenizer, model)
     scorer = RewardScorer(task.reward_fns)
-    rollout = RolloutLoop(engine, tokenizer, task.rows, task.reward_fns, cfg.rollout, stop_ids, seed=seed,
-                          system_prompt=task.system_prompt, max_sample_tokens=row_tokens,
-                          scorer=BroadcastScorer(scorer, topology.tp) if topology.tp is not None else scorer,
-                          agreement=ReadyAgreement(topology.dp, cfg.rollout.samples_per_step, cfg.dist.ready_every)
-                          if topology.dp is not None else None)
+    scorer = BroadcastScorer(scorer, topology.tp) if topology.tp is not None else scorer
+    if cfg.log.completions_every and topology.is_main:
+        scorer = RecordingScorer(scorer, cfg.log.completions_per_log)
+    # A task with tools or an environment rolls out multi-turn episodes (each one sample) on the same engine.
+    loop_cls, episodes = RolloutLoop, {}
+    if task.multi_turn:
+        if cfg.eval.steps:
+            raise ValueError(f"eval.steps: evaluating a multi-turn task ({task.name}) is not supported yet; set "
+                             "eval.steps=0")
+        loop_cls, episodes = MultiTurnRolloutLoop, {"episode_cfg": cfg.episode, "tools": task.tools,
+                                                    "environment_factory": task.environment_factory}
+    rollout = loop_cls(engine, tokenizer, task.rows, task.reward_fns, cfg.rollout, stop_ids, seed=seed,
+                       system_prompt=task.system_prompt, max_sample_tokens=row_tokens, scorer=scorer,
+                       agreement=ReadyAgreement(topology.dp, cfg.rollout.samples_per_step, cfg.dist.ready_every)
+                       if topology.dp is not None else None, **episodes)
     record = run_record(cfg, topology.world, task.rows)
     start = 1 if saved is None else restore(saved, optimizer, rollout, record["data"]) + 1
     engine.weights_updated(optimizer.step_count)  # a resumed run samples with its checkpoint's version
@@ -95,11 +118,15 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
     writer = start_run(cfg) if topology.is_main else NullMetricsWriter()
     log.info("training %s on %s (%s, %s) for %d steps; %d prompts", cfg.model.name_or_path, task.name,
              device, dtype, cfg.max_steps, len(task.rows))
+    evaluator = Evaluator(cfg.eval, engine, tokenizer, task.eval_rows, task.reward_fns, cfg.rollout, stop_ids,
+                          task.system_prompt, cfg.seed) if cfg.eval.steps else None
+    completions = CompletionLog(cfg.output_dir, cfg.log.completions_every, scorer, writer) \
+        if isinstance(scorer, RecordingScorer) else None
     return Run(cfg, topology, model, tokenizer, optimizer, engine, publisher, rollout, writer, plan, row_tokens,
-               pad_id, lend, record, start)
+               pad_id, lend, record, start, reference, evaluator, completions)
 
 
-def _engine(cfg: TrainConfig, model: torch.nn.Module, topology: Topology, seed: int, longest_prompt: int
+def _engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, topology: Topology, seed: int, longest_prompt: int
             ) -> tuple[Engine | RemoteEngine, WeightPublisher | None]:
     """The colocated engine on the trainer's own weights (its KV pool sized for the rollouts in flight unless the
     engine section sizes it), or clients of `unison serve` servers and the publisher that keeps their weights the
@@ -113,7 +140,7 @@ def _engine(cfg: TrainConfig, model: torch.nn.Module, topology: Topology, seed: 
         engine_cfg = dataclasses.replace(engine_cfg, num_blocks=kv_blocks_for(
             cfg.rollout.max_concurrent_rollouts, longest_prompt, cfg.rollout.max_new_tokens, cfg.engine.block_size))
     log.info("KV pool: %d blocks of %d tokens", engine_cfg.num_blocks, engine_cfg.block_size)
-    return Engine(model, engine_cfg, topology=topology), None
+    return Engine(model, engine_cfg, topology=topology, tokenizer=tokenizer), None  # the tokenizer: stop strings
 
 
 def _memory_plan(cfg: TrainConfig, model: torch.nn.Module, kv_bytes: int, lend: bool, longest_prompt: int
@@ -121,9 +148,10 @@ def _memory_plan(cfg: TrainConfig, model: torch.nn.Module, kv_bytes: int, lend: 
     """The memory plan and the packed row length (``step.max_tokens_per_row``, or the longest the plan fits: at
     least the longest sampled prompt plus ``rollout.max_new_tokens``)."""
     longest_sample = longest_prompt + cfg.rollout.max_new_tokens
+    reference = "none" if cfg.loss.beta == 0 else "host" if cfg.optim.placement == "host" else "device"
     def plan_for(row_tokens: int) -> MemoryPlan:
         return plan_memory(model, kv_bytes, cfg.optim.placement == "gpu", lend, row_tokens, cfg.step.logprob_chunk,
-                           cfg.memory.activation_checkpointing)
+                           cfg.memory.activation_checkpointing, reference=reference)
 
     row_tokens = cfg.step.max_tokens_per_row or auto_row_tokens(plan_for, longest_sample)
     plan = plan_for(row_tokens)
@@ -137,6 +165,7 @@ def _memory_plan(cfg: TrainConfig, model: torch.nn.Module, kv_bytes: int, lend: 
 
 
 def _longest_prompt(cfg: TrainConfig, tokenizer, task: Task) -> int:
-    """Tokens of the longest of (up to) 256 sampled prompts."""
+    """Tokens of the longest of (up to) 256 sampled prompts and the evaluation's."""
     rows = [r for r in random.Random(cfg.seed).sample(task.rows, min(256, len(task.rows))) if "prompt" in r]
-    return max((len(encode_prompt(tokenizer, str(r["prompt"]), task.system_prompt)) for r in rows), default=0)
+    held_out = task.eval_rows[:cfg.eval.max_prompts or None] if cfg.eval.steps else []
+    return max((len(encode_prompt(tokenizer, r["prompt"], task.system_prompt)) for r in rows + held_out), default=0)

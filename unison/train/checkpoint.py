@@ -8,7 +8,9 @@ checkpoint has to open in transformers, vLLM or an evaluation harness that has n
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
 import tempfile
 from typing import Any
@@ -114,6 +116,18 @@ def _umask() -> int:
     umask = os.umask(0o022)
     os.umask(umask)
     return umask
+
+
+def prune_checkpoints(output_dir: str, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` ``checkpoint-N`` folders in ``output_dir`` (the final ``checkpoint`` is not
+    one of them); returns the paths deleted, oldest first."""
+    steps = sorted(int(m.group(1)) for m in map(re.compile(r"checkpoint-(\d+)$").match, os.listdir(output_dir))
+                   if m and os.path.isdir(os.path.join(output_dir, m.group(0))))
+    gone = [os.path.join(output_dir, f"checkpoint-{n}") for n in steps[:max(0, len(steps) - keep)]]
+    for path in gone:
+        shutil.rmtree(path)
+        logging.getLogger(__name__).info("save_total_limit=%d: deleted %s", keep, path)
+    return gone
 
 
 def save_trainer_state(path: str, rank: int, state: dict) -> str:

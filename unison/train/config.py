@@ -7,16 +7,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from ..dist.runtime import DistConfig
 from ..engine import EngineConfig
+from ..episodes.loop import EpisodeConfig
 from ..models import ModelConfig
 from ..rollout.loop import RolloutConfig
+from ..rollout.reward_config import RewardSpec
 from ..sync.publisher import SyncConfig
 from ..tasks import DataConfig
+from .evaluate import EvalConfig
 from .loss import LossConfig
 from .memory import MemoryConfig
 from .optimizer import OptimConfig
+from .reporting import LogConfig
 
 
 @dataclass
@@ -28,12 +33,19 @@ class StepConfig:
     in ``completion/truncated_frac``), a prompt that fills a row is skipped (``rollout/skipped_prompts``)."""
     logprob_chunk: int = 1024
     """Tokens per chunk of the lm_head in the policy logprobs: [chunk, vocab] is the largest logits block."""
+    num_iterations: int = 1
+    """Optimizer updates per batch (TRL's; mu in the GRPO paper). The trainer's logprobs before the first are the
+    later ones' PPO denominator. Weight versions count updates: a sample one batch old is num_iterations versions
+    old, so keep rollout.max_staleness >= num_iterations to train in-flight samples; the lr schedule spans
+    max_steps x num_iterations updates."""
 
     def __post_init__(self):
         if self.max_tokens_per_row != 0 and self.max_tokens_per_row < 2:
             raise ValueError(f"max_tokens_per_row must be 0 (auto) or >= 2, got {self.max_tokens_per_row}")
         if self.logprob_chunk < 1:
             raise ValueError(f"logprob_chunk must be >= 1, got {self.logprob_chunk}")
+        if self.num_iterations < 1:
+            raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}")
 
 
 @dataclass
@@ -45,10 +57,14 @@ class TrainConfig:
     """Start afresh in an ``output_dir`` that holds a previous run: its checkpoints, metrics, TensorBoard events,
     curves.png and config.yaml are deleted first; any other file there is left alone."""
     max_steps: int = 25
+    """Optimizer steps to run (a resumed run continues up to this step)."""
     seed: int = 0
+    """Seeds the data order, the sampling (each group's seed derives from it) and the initial torch state."""
     save_every: int = 0
     """Also save a checkpoint every this many steps (0: only at the end)."""
-    tensorboard: bool = True
+    save_total_limit: int = 0
+    """Keep only the newest this many ``checkpoint-N`` folders (TRL's); the final ``checkpoint`` is always kept. 0:
+    keep all."""
     resume: str = ""
     """A checkpoint directory this command wrote (``checkpoint-N``): continue from its weights, optimizer state,
     step, data order and seeds, up to max_steps, appending to ``output_dir``'s metrics. Rollouts that were in flight
@@ -57,10 +73,16 @@ class TrainConfig:
     fresh pass over its rows."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    rewards: list[RewardSpec] = field(default_factory=list)
+    """Reward functions replacing the task's: ``[{fn: "package.module:function", weight: 1.0, args: {}}]`` with
+    TRL's signature, or built-ins (accuracy, exact, closeness, format, soft_overlong_punishment); see
+    unison.rollout.reward_config. []: the task's own."""
     # CPU-sized default: 4 prompts x 8 samples per step, completions up to 64 tokens (bench/task_probe.py).
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(
         group_size=8, samples_per_step=32, max_concurrent_rollouts=64, max_new_tokens=64))
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_blocks=0, block_size=16))
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
+    """Multi-turn episodes (tasks with tools or an environment, e.g. data.source=guess_number)."""
     """num_blocks 0: sized from the rollout settings (see memory)."""
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5))
@@ -68,9 +90,15 @@ class TrainConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    renamed_keys: ClassVar[dict[str, str]] = {"tensorboard": "log.report_to (--log.report_to=[tensorboard] or [none])"}
 
     def __post_init__(self):
         if self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
         if self.save_every < 0:
             raise ValueError(f"save_every must be >= 0, got {self.save_every}")
+        if self.save_total_limit < 0:
+            raise ValueError(f"save_total_limit must be >= 0, got {self.save_total_limit}")

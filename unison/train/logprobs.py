@@ -15,6 +15,7 @@ import torch
 
 from unison.engine.attention import NO_MASK
 from unison.engine.lm_head import IDENTITY, HeadTransform, decoder_of, lm_head_fp32, lm_head_of
+from unison.train.boundaries import keep_samples_apart
 from unison.train.packing import PackedRow
 
 
@@ -28,6 +29,7 @@ def policy_logprobs(model: torch.nn.Module, row: PackedRow, temperature: float =
     """
     head = lm_head_of(model)
     decoder = decoder_of(model)
+    keep_samples_apart(model)  # the row's boundaries reach hybrid models' conv and recurrent layers too
     hidden = decoder(
         input_ids=row.input_ids,
         position_ids=row.position_ids,

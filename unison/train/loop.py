@@ -16,7 +16,7 @@ from ..dist.runtime import check_replicas_agree, reduce_metrics
 from ..dist.tensor_parallel import check_ranks_agree, full_state_dict, replicated_agree
 from ..tasks import Task
 from .build import Run, build_run
-from .checkpoint import save_hf_checkpoint, save_trainer_state
+from .checkpoint import prune_checkpoints, save_hf_checkpoint, save_trainer_state
 from .config import TrainConfig
 from .memory import explain_oom
 from .step import train_step
@@ -47,7 +47,10 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
             with engine.lend() if run.lend else nullcontext(0) as lent:
                 metrics.update(train_step(run.model, optimizer, samples, cfg.loss, cfg.rollout.temperature,
                                           run.row_tokens, run.pad_id, cfg.step.logprob_chunk,
-                                          cfg.memory.activation_checkpointing, topology))
+                                          cfg.memory.activation_checkpointing, topology, reference=run.reference,
+                                          num_iterations=cfg.step.num_iterations,
+                                          max_completion_length=cfg.rollout.max_new_tokens,
+                                          scale_rewards=cfg.rollout.scale_rewards))
         except torch.OutOfMemoryError as e:
             raise explain_oom(e, run.plan, f"step {step}") from e
         engine.weights_updated(optimizer.step_count)
@@ -60,14 +63,20 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
             metrics["engine/kv_dropped_tokens"] = float(dropped_so_far - kv_dropped)
             kv_dropped = dropped_so_far
         metrics.update(_timing_and_memory(run, t0, t1, t2, metrics["train/tokens"]))
+        if run.evaluator is not None and run.evaluator.due(step, cfg.max_steps):
+            metrics.update(run.evaluator.run(run.rollout.land))  # rollouts in flight land with the loop
         if topology.dp is not None:
             metrics = reduce_metrics(metrics, topology.dp)
         run.writer.log(step, metrics)
+        if run.completions is not None:
+            run.completions.after_step(step)
         if topology.is_main:
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s_step=f"{metrics['time/step_s']:.1f}",
                             gen_tok_s=f"{metrics['rollout/tokens_per_s']:.0f}")
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
             _save(run, os.path.join(cfg.output_dir, f"checkpoint-{step}"), step)
+            if cfg.save_total_limit and topology.is_main:
+                prune_checkpoints(cfg.output_dir, cfg.save_total_limit)
     _finish(run)
     return metrics
 

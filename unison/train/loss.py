@@ -1,8 +1,17 @@
 """The GRPO loss: PPO clipping plus an importance-sampling correction against the engine's logprobs.
 
-One optimizer update per batch, so the behaviour policy is the engine itself: per token,
+With one optimizer update per batch the behaviour policy is the engine itself: per token,
 ratio = exp(logp_trainer - logp_engine). Without the correction, the trainer/engine mismatch (bf16
 kernels, stale in-flight KV, sampling under an older weight version) biases the gradient silently.
+With several updates per batch (``step.num_iterations``) the later ones take the trainer's logprobs from before
+the first update as the PPO ratio's denominator, and the engine correction is then the fixed masked or truncated
+exp(logp_old - logp_engine).
+
+``loss.type`` picks TRL's GRPOTrainer objective and normalisation (``loss_divisor``): dapo (unison's default,
+TRL's too) divides every token's loss by the step's loss tokens; grpo by the sequence's length and the step's
+sequences; dr_grpo by sequences x max_completion_length; bnpo by this replica's tokens (x replicas); gspo is grpo
+with the sequence-level ratio exp(mean log-ratio) of the GSPO paper; cispo weighs -A * logp by the stop-gradient
+IS weight min(ratio, eps_high) (MiniMax-M1, TRL's form).
 """
 
 from __future__ import annotations
@@ -18,8 +27,19 @@ from ..config import check_literals
 _MAX_LOG_RATIO = 20.0
 
 
+LossType = Literal["dapo", "grpo", "dr_grpo", "bnpo", "gspo", "cispo"]
+
+
 @dataclass
 class LossConfig:
+    type: LossType = "dapo"
+    """The objective and its normalisation, as TRL's GRPOTrainer ``loss_type``: 'dapo' (token-level over the step's
+    tokens, every replica's; what unison always did), 'grpo' (each sequence's mean, then the mean over sequences),
+    'dr_grpo' (sum over sequences x rollout.max_new_tokens), 'bnpo' (token-level over this replica's tokens;
+    'dapo' on one process), 'gspo' (grpo with the sequence-level ratio exp(mean log-ratio), TRL's
+    importance_sampling_level='sequence'; the engine correction acts on that ratio too; the GSPO paper clips at
+    eps_low=3e-4, eps_high=4e-4), 'cispo' (-sg(min(ratio, eps_high)) * A * logp, normalised as dapo; eps_high is
+    then the cap itself, TRL's meaning: 5.0 in ScaleRL)."""
     eps_low: float = 0.2
     """PPO lower clip: ratios below 1 - eps_low stop pushing a negative-advantage token further down."""
     eps_high: float = 0.28
@@ -31,6 +51,12 @@ class LossConfig:
     """Lowest ratio a token may have and stay in the loss (mask mode only)."""
     is_max: float = 2.0
     """Highest ratio kept (mask) or the truncation level (truncate)."""
+    beta: float = 0.0
+    """Weight of the k3 KL to a frozen copy of the initial policy, per token (TRL's ``beta``); 0: no reference model
+    is built. It lives on the GPU, or in pinned host memory streamed layer by layer with ``optim.placement=host``."""
+    mask_truncated_completions: bool = False
+    """A completion cut at the token limit (finish 'length', no eos) contributes no loss (DAPO, TRL's flag); it
+    still counts as a sequence in the grpo, gspo and dr_grpo normalisers, as in TRL."""
 
     def __post_init__(self):
         if not 0.0 <= self.eps_low < 1.0:
@@ -42,65 +68,143 @@ class LossConfig:
             raise ValueError(f"is_min must be in [0, 1], got {self.is_min}")
         if not self.is_max >= 1.0:
             raise ValueError(f"is_max must be >= 1, got {self.is_max}")
+        if not self.beta >= 0.0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.type == "cispo" and not self.eps_high >= 1.0:
+            raise ValueError(f"type='cispo' caps the IS weight at eps_high itself (TRL's meaning), got eps_high="
+                             f"{self.eps_high}: set loss.eps_high >= 1 (ScaleRL recommends 5.0)")
 
 
 def grpo_loss(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, advantages: torch.Tensor,
-              cfg: LossConfig, num_loss_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
+              cfg: LossConfig, num_loss_tokens: int, *, divisor: torch.Tensor | float | None = None,
+              seq_lens: list[int] | None = None, old_logprobs: torch.Tensor | None = None,
+              ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one micro-batch and its metrics.
 
     logprobs: (M,) float32, the trainer's, differentiable; engine_logprobs, advantages: (M,) float32.
     ``num_loss_tokens`` is the number of loss tokens in the whole optimizer step (all micro-batches and
-    ranks), so the micro-batch losses sum to the token-level mean over the step.
+    ranks), so the micro-batch losses sum to the token-level mean over the step (``cfg.type`` 'dapo').
+    ``divisor`` replaces it: each token's loss is divided by it, (M,) float32 or a number (``loss_divisor``).
+    seq_lens: the lengths of the micro-batch's sequences, in order, summing to M (needed by 'gspo').
+    old_logprobs: (M,) float32, the trainer's before the step's first update: the PPO ratio's denominator (None:
+    the engine's). ref_logprobs: (M,) float32 of the reference model, for ``cfg.beta`` > 0.
 
     Returns (loss: () float32, metrics). The metrics are this micro-batch's means over its M tokens
     (``mismatch/logprob_diff_max`` a max) plus ``tokens`` = M; ``MetricAccumulator`` reduces them over
     micro-batches, weighting by tokens:
-      is/ratio_mean   mean of exp(logp - engine_logp)
+      is/ratio_mean   mean of the PPO ratio (exp(logp - engine_logp) unless old_logprobs)
       is/clipfrac     fraction of tokens whose PPO clip is active (zero gradient) = clip/low + clip/high
       clip/low        advantage < 0 and ratio < 1 - eps_low
-      clip/high       advantage > 0 and ratio > 1 + eps_high
-      is/dropped_frac mask: fraction dropped by the IS bounds; truncate: fraction with weight < 1
+      clip/high       advantage > 0 and ratio > 1 + eps_high (cispo: ratio > eps_high, its weight capped)
+      is/dropped_frac mask: fraction dropped by the IS bounds; truncate: fraction truncated
       mismatch/logprob_diff_mean, mismatch/logprob_diff_max   |logp - engine_logp|
       mismatch/kl     k3 estimate of KL(engine || trainer): mean of (ratio - 1) - log ratio, >= 0 per token
+      kl/ref_mean     with a reference: mean of the k3 exp(ref - logp) - (ref - logp) - 1
     """
     if num_loss_tokens < 1:
         raise ValueError(f"num_loss_tokens must be >= 1, got {num_loss_tokens}")
     if not logprobs.shape == engine_logprobs.shape == advantages.shape or logprobs.ndim != 1:
         raise ValueError(f"logprobs {tuple(logprobs.shape)}, engine_logprobs {tuple(engine_logprobs.shape)} "
                          f"and advantages {tuple(advantages.shape)} must be the same (M,) shape")
-    log_ratio = (logprobs - engine_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    for name, t in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+        if t is not None and t.shape != logprobs.shape:
+            raise ValueError(f"{name} {tuple(t.shape)} must have logprobs' shape {tuple(logprobs.shape)}")
+    if cfg.beta > 0 and ref_logprobs is None:
+        raise ValueError(f"loss.beta={cfg.beta} needs ref_logprobs (the reference model's)")
+    seq_ids = None
+    if cfg.type == "gspo":
+        if seq_lens is None or sum(seq_lens) != logprobs.numel():
+            raise ValueError(f"type='gspo' needs seq_lens summing to {logprobs.numel()}, got {seq_lens}")
+        seq_ids = torch.repeat_interleave(torch.arange(len(seq_lens), device=logprobs.device),
+                                          torch.tensor(seq_lens, device=logprobs.device))
+    base = engine_logprobs if old_logprobs is None else old_logprobs
+    log_ratio = _level((logprobs - base).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO), seq_ids, seq_lens)
     ratio = torch.exp(log_ratio)
-    clipped = ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    per_token = -torch.minimum(ratio * advantages, clipped * advantages)
+    if cfg.type == "cispo":
+        per_token = -(ratio.clamp(max=cfg.eps_high).detach() * advantages * logprobs)
+    else:
+        clipped = ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+        per_token = -torch.minimum(ratio * advantages, clipped * advantages)
     with torch.no_grad():
         r = ratio.detach()
-        if cfg.is_mode == "mask":
-            is_weight = ((r >= cfg.is_min) & (r <= cfg.is_max)).float()
-        else:
-            is_weight = (cfg.is_max / r).clamp(max=1.0)
-    loss = (per_token * is_weight).sum() / num_loss_tokens
-    return loss, _metrics(logprobs.detach(), engine_logprobs, advantages, r, is_weight, cfg)
+        if old_logprobs is None:  # the ratio is against the engine: its weight corrects it
+            if cfg.is_mode == "mask":
+                is_weight = ((r >= cfg.is_min) & (r <= cfg.is_max)).float()
+            else:
+                is_weight = (cfg.is_max / r).clamp(max=1.0)
+            dropped = is_weight < 1.0
+        else:  # the fixed correction from the trainer's old policy to the engine that sampled
+            r_is = torch.exp(_level((old_logprobs - engine_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO),
+                                    seq_ids, seq_lens))
+            kept = (r_is >= cfg.is_min) & (r_is <= cfg.is_max)
+            is_weight = r_is * kept if cfg.is_mode == "mask" else r_is.clamp(max=cfg.is_max)
+            dropped = ~kept if cfg.is_mode == "mask" else r_is > cfg.is_max
+    per_token = per_token * is_weight
+    ref_kl = None
+    if cfg.beta > 0:
+        ref_diff = ref_logprobs - logprobs
+        ref_kl = torch.exp(ref_diff) - ref_diff - 1.0
+        per_token = per_token + cfg.beta * ref_kl
+    loss = per_token.sum() / num_loss_tokens if divisor is None else (per_token / divisor).sum()
+    metrics = _metrics(logprobs.detach(), engine_logprobs, advantages, r, dropped, cfg)
+    if ref_kl is not None and logprobs.numel():
+        metrics["kl/ref_mean"] = ref_kl.detach().mean().item()
+    return loss, metrics
+
+
+def _level(log_ratio: torch.Tensor, seq_ids: torch.Tensor | None, seq_lens: list[int] | None) -> torch.Tensor:
+    """Token-level log-ratios as they are, or (seq_ids given) each sequence's mean at every one of its tokens."""
+    if seq_ids is None:
+        return log_ratio
+    lens = torch.tensor(seq_lens, dtype=log_ratio.dtype, device=log_ratio.device)
+    sums = torch.zeros(len(seq_lens), dtype=log_ratio.dtype, device=log_ratio.device).index_add(0, seq_ids, log_ratio)
+    return (sums / lens)[seq_ids]
+
+
+def loss_divisor(loss_type: str, seq_lens: list[int], step_tokens: int, step_sequences: int, local_tokens: int,
+                 replicas: int, max_completion_length: int) -> torch.Tensor | float | None:
+    """What each loss token of one micro-batch (sequences of ``seq_lens``) is divided by, TRL's normalisations over
+    the whole optimizer step: None for dapo and cispo (``num_loss_tokens``, the step's tokens); grpo and gspo:
+    (M,) float32 of each token's sequence length x the step's sequences; dr_grpo: the step's sequences x
+    ``max_completion_length``; bnpo: this replica's tokens x replicas (the gradients are summed across replicas)."""
+    if loss_type in ("dapo", "cispo"):
+        return None
+    if loss_type in ("grpo", "gspo"):
+        lens = torch.tensor(seq_lens, dtype=torch.float32)
+        return torch.repeat_interleave(lens, lens.long()) * float(step_sequences)
+    if loss_type == "dr_grpo":
+        if max_completion_length < 1:
+            raise ValueError("type='dr_grpo' divides by max_completion_length (rollout.max_new_tokens): got "
+                             f"{max_completion_length}")
+        return float(step_sequences * max_completion_length)
+    if loss_type == "bnpo":
+        return float(max(local_tokens, 1) * replicas)
+    raise ValueError(f"unknown loss type {loss_type!r}")
 
 
 def _metrics(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, advantages: torch.Tensor,
-             ratio: torch.Tensor, is_weight: torch.Tensor, cfg: LossConfig) -> dict[str, float]:
+             ratio: torch.Tensor, dropped: torch.Tensor, cfg: LossConfig) -> dict[str, float]:
     m = logprobs.numel()
     if m == 0:
         return {"tokens": 0}
-    clip_low = (advantages < 0) & (ratio < 1.0 - cfg.eps_low)
-    clip_high = (advantages > 0) & (ratio > 1.0 + cfg.eps_high)
+    if cfg.type == "cispo":
+        clip_low, clip_high = torch.zeros_like(ratio, dtype=torch.bool), ratio > cfg.eps_high
+    else:
+        clip_low = (advantages < 0) & (ratio < 1.0 - cfg.eps_low)
+        clip_high = (advantages > 0) & (ratio > 1.0 + cfg.eps_high)
     diff = (logprobs - engine_logprobs).abs()
     log_ratio = (logprobs - engine_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    engine_ratio = torch.exp(log_ratio)
     # One device-to-host transfer for all metrics rather than one sync per .item().
     values = torch.stack([
         ratio.mean(),
         (clip_low | clip_high).float().mean(),
         clip_low.float().mean(),
         clip_high.float().mean(),
-        (is_weight < 1.0).float().mean(),
+        dropped.float().mean(),
         diff.mean(),
         diff.max(),
-        (ratio - 1.0 - log_ratio).mean(),
+        (engine_ratio - 1.0 - log_ratio).mean(),
     ]).tolist()
     keys = ("is/ratio_mean", "is/clipfrac", "clip/low", "clip/high", "is/dropped_frac",
             "mismatch/logprob_diff_mean", "mismatch/logprob_diff_max", "mismatch/kl")

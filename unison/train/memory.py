@@ -71,7 +71,9 @@ def kv_blocks_for(max_concurrent: int, prompt_tokens: int, max_new_tokens: int, 
 
 
 def plan_memory(model: torch.nn.Module, kv_pool_bytes: int, optimizer_on_gpu: bool, lend_kv: bool,
-                max_tokens_per_row: int, logprob_chunk: int, activation_checkpointing: bool) -> MemoryPlan:
+                max_tokens_per_row: int, logprob_chunk: int, activation_checkpointing: bool,
+                reference: Literal["none", "device", "host"] = "none") -> MemoryPlan:
+    """``reference``: where the KL term's frozen copy of the weights lives (``unison.train.reference``)."""
     text = model.config.get_text_config()
     params = {id(p): p for p in model.parameters()}.values()
     weights = sum(local(p).numel() * p.element_size() for p in params)  # this process's shards
@@ -93,11 +95,27 @@ def plan_memory(model: torch.nn.Module, kv_pool_bytes: int, optimizer_on_gpu: bo
             ("activations (estimate)", (max(activations - kv_pool_bytes, 0) if lend_kv else activations) / gib,
              "beyond the lent KV pool" if lend_kv else ""),
             ("logits chunk", 3 * logprob_chunk * text.vocab_size * 4 / gib, "fp32 logits, softmax, grad")]
+    if reference != "none":
+        rows.append(_reference_row(model, weights, reference == "host"))
     device_gib = None
     device = next(iter(params)).device
     if device.type == "cuda":
         device_gib = torch.cuda.get_device_properties(device).total_memory / gib
     return MemoryPlan(rows, device_gib)
+
+
+def _reference_row(model: torch.nn.Module, weights: int, on_host: bool) -> tuple[str, float, str]:
+    """The reference model: a copy of the weights on the device, or (streamed from pinned host memory) the layers
+    outside the decoder stack plus its largest layer."""
+    from .reference import decoder_layers  # imported here: reference imports the training step's modules
+
+    gib = 2**30
+    if not on_host:
+        return ("reference model", weights / gib, "frozen copy of the initial weights (loss.beta > 0)")
+    layer_bytes = [sum(local(p).numel() * p.element_size() for p in layer.parameters())
+                   for _, layer in decoder_layers(model)]
+    on_device = weights - sum(layer_bytes) + max(layer_bytes, default=0)
+    return ("reference model", on_device / gib, f"{weights / gib:.2f} GiB in pinned host memory, a layer at a time")
 
 
 AUTO_ROW_TOKENS = (8192, 4096, 2048)

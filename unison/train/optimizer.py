@@ -34,8 +34,11 @@ class OptimConfig:
     lr: float = 1e-5
     """Peak learning rate."""
     beta1: float = 0.9
+    """AdamW's first-moment decay."""
     beta2: float = 0.999
+    """AdamW's second-moment decay."""
     eps: float = 1e-8
+    """Added to AdamW's sqrt(second moment) in the update's denominator."""
     weight_decay: float = 0.0
     """Decoupled (AdamW) weight decay, applied as master *= 1 - lr * weight_decay."""
     placement: Literal["gpu", "host"] = "gpu"
@@ -46,6 +49,7 @@ class OptimConfig:
     schedule: Literal["constant", "warmup", "cosine"] = "constant"
     """'warmup': linear warmup then constant; 'cosine': linear warmup then cosine decay to min_lr_ratio."""
     warmup_steps: int = 0
+    """Steps of linear warmup ('warmup' and 'cosine' schedules), reaching lr at step warmup_steps - 1."""
     min_lr_ratio: float = 0.0
     """Final lr of the cosine schedule, as a fraction of lr."""
 

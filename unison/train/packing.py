@@ -2,12 +2,14 @@
 
 Samples are placed first-fit-decreasing (by token count) into rows of at most ``max_tokens_per_row``
 tokens. Position ids restart at 0 for every sample and ``cu_seqlens`` carries the boundaries to the
-attention function, so no token attends across samples (``tests/test_packing.py`` checks packed
-logprobs against per-sample forwards).
+attention function and, through ``unison.train.boundaries``, to hybrid models' conv, recurrent and
+state-space layers, so no token reaches across samples (``tests/test_packing.py`` and
+``tests/test_hybrid_packing.py`` check packed logprobs against per-sample forwards).
 
 Conventions for one sample of prompt length P and completion length C placed at row offset o:
 position o + P - 1 + j predicts completion token j (j = 0 .. C-1), so exactly C positions are in the
-loss mask and each carries the sample's advantage and the engine's logprob of that token.
+loss mask and each carries the sample's advantage and the engine's logprob of that token. A multi-turn sample's
+``completion_mask`` leaves its tool and environment tokens out of the mask: context only.
 """
 
 from __future__ import annotations
@@ -120,8 +122,9 @@ def _build_row(samples: list[Sample], index: list[int], pad_id: int, pad_to: int
         positions += range(n)
         targets += tokens[1:] + [pad_id]
         # Position t predicts tokens[t + 1], a completion token iff t >= p - 1 (and t < n - 1).
-        mask += [False] * (p - 1) + [True] * len(s.completion_ids) + [False]
-        advantages += [0.0] * (p - 1) + [float(s.advantage)] * len(s.completion_ids) + [0.0]
+        trained = [True] * len(s.completion_ids) if s.completion_mask is None else list(s.completion_mask)
+        mask += [False] * (p - 1) + trained + [False]
+        advantages += [0.0] * (p - 1) + [float(s.advantage) if t else 0.0 for t in trained] + [0.0]
         engine_lp += [0.0] * (p - 1) + [float(x) for x in s.engine_logprobs] + [0.0]
         seg_lens.append(n)
     pad = -len(input_ids) % pad_to

@@ -17,16 +17,17 @@ import shutil
 
 import torch.distributed as dist
 
-from ..config import InputError, InvalidInputError, dump_config
+from ..config import InputError, InvalidInputError, config_to_dict, dump_config
 from ..metrics import CURVES_FILE, METRICS_FILE, PREVIOUS_METRICS_FILES, MetricsWriter
 from .checkpoint import SET_ASIDE, TRAINER_STATE_TMP_PREFIX
 from .config import TrainConfig
+from .reporting import COMPLETIONS_FILE, build_trackers
 
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.yaml"
 _OUTPUT_FILES = (CONFIG_FILE, METRICS_FILE, PREVIOUS_METRICS_FILES, CURVES_FILE, f"{CURVES_FILE}.tmp.png",
-                 "events.out.tfevents.*")
+                 "events.out.tfevents.*", COMPLETIONS_FILE)
 _CHECKPOINT = re.compile(r"checkpoint(-(\d+))?$")
 _LEFTOVER = re.compile(r"\.(checkpoint(?:-\d+)?)\.(tmp|old)-.+$")  # see unison.train.checkpoint
 
@@ -107,7 +108,8 @@ def start_run(cfg: TrainConfig) -> MetricsWriter:
         remove_outputs(cfg.output_dir)
     os.makedirs(cfg.output_dir, exist_ok=True)
     dump_config(cfg, os.path.join(cfg.output_dir, CONFIG_FILE))
-    return MetricsWriter(cfg.output_dir, tensorboard=cfg.tensorboard, resume=bool(cfg.resume))
+    trackers = build_trackers(cfg.log, cfg.output_dir, config_to_dict(cfg), bool(cfg.resume))
+    return MetricsWriter(cfg.output_dir, tensorboard=cfg.log.tensorboard, resume=bool(cfg.resume), trackers=trackers)
 
 
 def remove_outputs(output_dir: str) -> None:

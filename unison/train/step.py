@@ -1,7 +1,9 @@
-"""One colocated GRPO optimizer step: pack, logprobs, loss, backward, AdamW on fp32 masters."""
+"""One colocated GRPO training step: pack, logprobs, loss, backward, AdamW on fp32 masters (num_iterations times)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -10,59 +12,115 @@ import torch
 from ..dist.data_parallel import all_reduce_grads, global_sum
 from ..dist.tensor_parallel import local_forward
 from ..dist.topology import Topology
-from ..engine.attention import ATTN_NAME, NO_MASK
-from ..engine.lm_head import decoder_of
+from ..rollout.advantage import batch_scaled
 from ..rollout.sample import Sample
 from .logprobs import policy_logprobs
-from .loss import LossConfig, MetricAccumulator, grpo_loss
+from .loss import LossConfig, MetricAccumulator, grpo_loss, loss_divisor
 from .optimizer import MasterAdamW
 from .packing import pack_samples
+from .reference import ReferenceModel
 
 
 def train_step(model: torch.nn.Module, optimizer: MasterAdamW, samples: list[Sample], loss_cfg: LossConfig,
                temperature: float, max_tokens_per_row: int, pad_id: int, logprob_chunk: int,
-               activation_checkpointing: bool = False, topology: Topology | None = None) -> dict[str, float]:
-    """Forward and backward over every packed row (one micro-batch each), then one optimizer step.
+               activation_checkpointing: bool = False, topology: Topology | None = None, *,
+               reference: ReferenceModel | None = None, num_iterations: int = 1, max_completion_length: int = 0,
+               scale_rewards: str = "group") -> dict[str, float]:
+    """Forward and backward over every packed row (one micro-batch each), then one optimizer step; all of it
+    ``num_iterations`` times over the same samples.
 
-    The loss is normalised by the completion tokens of the whole step, so micro-batching does not change the
-    update. The engine is paused simply by not being stepped meanwhile. With data-parallel replicas in
-    ``topology`` each trains its own samples: the normalisation counts every replica's tokens and the gradients
-    are summed across replicas once, before the optimizer step, so N replicas make the update one process would
-    make on all their samples. With tensor parallelism the forwards run on the local shards.
+    The loss is normalised over the whole step (``loss_cfg.type``: ``unison.train.loss.loss_divisor``), so
+    micro-batching does not change the update. The engine is paused simply by not being stepped meanwhile. With
+    data-parallel replicas in ``topology`` each trains its own samples: the normalisation counts every replica's
+    tokens and sequences and the gradients are summed across replicas once, before the optimizer step, so N replicas
+    make the update one process would make on all their samples. With tensor parallelism the forwards run on the
+    local shards.
+
+    The first iteration's ratio is against the engine's logprobs; later iterations' PPO ratio is against the
+    trainer's logprobs of the first one (before any update), the engine correction then fixed (``grpo_loss``).
+    ``reference`` gives the KL term's logprobs (``loss_cfg.beta`` > 0), computed once. ``scale_rewards='batch'``
+    divides the samples' (group-centred) advantages by the std of every replica's rewards first.
+    ``max_completion_length`` is dr_grpo's constant (``rollout.max_new_tokens``).
     """
+    if num_iterations < 1:
+        raise ValueError(f"num_iterations must be >= 1, got {num_iterations}")
+    if loss_cfg.beta > 0 and reference is None:
+        raise ValueError(f"loss.beta={loss_cfg.beta} needs a reference model (unison.train.reference)")
     device = next(model.parameters()).device
     dp_group = topology.dp.group if topology is not None and topology.dp is not None else None
-    rows = pack_samples(samples, max_tokens_per_row, pad_id)
-    local_tokens = sum(len(s.completion_ids) for s in samples)
-    num_loss_tokens = int(global_sum(local_tokens, dp_group, device)) if dp_group is not None else local_tokens
+    replicas = topology.dp.world if dp_group is not None else 1
+    step_sum = (lambda x: global_sum(x, dp_group, device)) if dp_group is not None else float
+    if scale_rewards == "batch":
+        samples = _batch_scaled(samples, step_sum)
+    trained = [s for s in samples if not (loss_cfg.mask_truncated_completions and s.finish_reason == "length")]
+    rows = pack_samples(trained, max_tokens_per_row, pad_id)
+    local_tokens = sum(s.num_loss_tokens for s in trained)
+    num_loss_tokens = int(step_sum(local_tokens))
+    num_sequences = int(step_sum(len(samples)))  # truncated ones masked out still count, as in TRL
+    refs = [reference.logprobs(row.to(device), temperature or 1.0, logprob_chunk) if reference is not None else None
+            for row in rows]
+    olds: list[torch.Tensor | None] = [None] * len(rows)
     acc = MetricAccumulator()
     total_loss = 0.0
-    # Under tensor parallelism: the local shards with explicit collectives (unison.dist.tensor_parallel).
-    with checkpointed_layers(model, activation_checkpointing), local_forward(model, topology)(train=True):
-        for row in rows:
-            row = row.to(device)
-            logprobs, _ = policy_logprobs(model, row, temperature=temperature or 1.0, chunk_size=logprob_chunk)
-            mask = row.loss_mask
-            loss, metrics = grpo_loss(logprobs, row.engine_logprobs[mask], row.advantages[mask], loss_cfg,
-                                      num_loss_tokens)
-            loss.backward()
-            total_loss += loss.item()
-            acc.add(metrics)
-    if dp_group is not None:
-        params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:  # a replica that trained no row this step still adds its (zero) gradient
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        all_reduce_grads(params, dp_group)
-    stats = optimizer.step()
-    optimizer.zero_grad()
+    for iteration in range(num_iterations):
+        # Under tensor parallelism: the local shards with explicit collectives (unison.dist.tensor_parallel).
+        with checkpointed_layers(model, activation_checkpointing), local_forward(model, topology)(train=True):
+            for i, row in enumerate(rows):
+                row = row.to(device)
+                logprobs, entropy = policy_logprobs(model, row, temperature=temperature or 1.0,
+                                                    chunk_size=logprob_chunk, with_entropy=True)
+                mask = row.loss_mask
+                seq_lens = [trained[j].num_loss_tokens for j in row.sample_index]
+                divisor = loss_divisor(loss_cfg.type, seq_lens, num_loss_tokens, num_sequences, local_tokens,
+                                       replicas, max_completion_length)
+                if isinstance(divisor, torch.Tensor):
+                    divisor = divisor.to(device)
+                loss, metrics = grpo_loss(logprobs, row.engine_logprobs[mask], row.advantages[mask], loss_cfg,
+                                          num_loss_tokens, divisor=divisor, seq_lens=seq_lens, old_logprobs=olds[i],
+                                          ref_logprobs=refs[i])
+                if iteration == 0 and num_iterations > 1:
+                    olds[i] = logprobs.detach()
+                loss.backward()
+                total_loss += loss.item() / num_iterations
+                metrics["policy/entropy_mean"] = entropy.mean().item()
+                acc.add(metrics)
+        stats = _optimizer_step(model, optimizer, dp_group, trained_any=bool(rows))
     out = acc.reduce()
     out.pop("tokens")
     out.update({"loss": total_loss, "optim/lr": stats.lr, "optim/grad_norm": stats.grad_norm,
                 "optim/changed_frac": stats.changed_fraction, "train/rows": float(len(rows)),
                 "train/loss_tokens": float(local_tokens), "train/samples": float(len(samples)),
                 "train/tokens": float(sum(s.num_tokens for s in samples))})
+    if loss_cfg.mask_truncated_completions:
+        out["train/masked_truncated"] = float(len(samples) - len(trained))
+    if num_iterations > 1:
+        out["train/iterations"] = float(num_iterations)
     return out
+
+
+def _optimizer_step(model: torch.nn.Module, optimizer: MasterAdamW, dp_group, trained_any: bool):
+    """Sum the gradients across replicas (if any), step, clear them."""
+    if dp_group is not None or not trained_any:
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:  # a replica that trained no row this step still adds its (zero) gradient
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if dp_group is not None:
+            all_reduce_grads(params, dp_group)
+    stats = optimizer.step()
+    optimizer.zero_grad()
+    return stats
+
+
+def _batch_scaled(samples: list[Sample], step_sum) -> list[Sample]:
+    """The samples with their advantages divided by the std of the step's rewards (``scale_rewards='batch'``)."""
+    rewards = [s.reward for s in samples]
+    total, squares = step_sum(math.fsum(rewards)), step_sum(math.fsum(r * r for r in rewards))
+    count = step_sum(len(rewards))
+    if count < 1:
+        return samples
+    scaled = batch_scaled([s.advantage for s in samples], total, squares, int(count))
+    return [dataclasses.replace(s, advantage=a) for s, a in zip(samples, scaled, strict=True)]
 
 
 @contextmanager
@@ -89,28 +147,3 @@ def checkpointed_layers(model: torch.nn.Module, enabled: bool) -> Iterator[None]
     finally:
         for m, mode in zip(layers, modes, strict=True):
             m.training = mode
-
-
-@torch.no_grad()
-def check_packed_attention(model: torch.nn.Module) -> None:
-    """Refuse an attention implementation that lets packed samples see each other.
-
-    Runs one packed row of two short segments and compares the second segment's hidden states with a forward
-    of that segment alone: any leak across the boundary changes them.
-    """
-    impl = model.config._attn_implementation
-    if impl != ATTN_NAME:
-        raise ValueError(f"packed training needs attn_implementation={ATTN_NAME!r}; the model uses {impl!r}, which "
-                         "would let packed samples attend to each other")
-    device = next(model.parameters()).device
-    decoder = decoder_of(model)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, 12), generator=g).to(device)
-    pos = torch.cat([torch.arange(5), torch.arange(7)])[None].to(device)
-    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
-    packed = decoder(input_ids=ids, position_ids=pos, attention_mask=NO_MASK, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                     max_length_q=7, max_length_k=7, use_cache=False).last_hidden_state[0, 5:].float()
-    alone = decoder(input_ids=ids[:, 5:], use_cache=False).last_hidden_state[0].float()
-    err = ((packed - alone).norm() / alone.norm()).item()
-    if not err < 2e-2:  # bf16 kernels differ by ~1e-3; a leak changes the states by O(1)
-        raise RuntimeError(f"packed attention leaks across samples (relative difference {err:.3g})")

@@ -1,0 +1,90 @@
+"""Multi-turn rollouts: continuing requests on their KV (Engine.extend) against resubmitting each turn's whole
+conversation, beside a single-turn rollout of the same generated length, in one run.
+
+    python bench/multiturn.py --device cpu --shape tiny --n 8 --turns 3          # quick
+    python bench/multiturn.py --device cuda --json bench/results/h200/multiturn.json
+
+A workload is N conversations of a P-token prompt and T model turns of K tokens each (fixed length, no stop
+tokens), each turn but the last followed by M appended "tool" tokens (random ids). Modes: ``extend`` (the turn
+continues on the request's own KV), ``resubmit`` (a new request of the whole conversation, as an engine without
+extend gets it; the prefix cache serves what it can), ``single`` (one turn of T x K tokens). Reported per mode:
+wall seconds, generated tokens/s, tokens the engine computed (prefill + decode) and its prefix-cache hit rate.
+Random weights of a named shape, no download. Not a test: numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from engine import SHAPES, build  # bench/engine.py
+
+from unison.engine import Engine, EngineConfig, SamplingParams
+
+
+def run(model, mode: str, n: int, prompt: int, turns: int, new: int, appended: int, block: int) -> dict:
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (prompt,), generator=g).tolist() for _ in range(n)]
+    tool = [[torch.randint(3, vocab, (appended,), generator=g).tolist() for _ in range(turns)] for _ in range(n)]
+    total = prompt + turns * (new + appended)
+    engine = Engine(model, EngineConfig(num_blocks=n * (-(-total // block) + 1) + 8, block_size=block,
+                                        max_model_len=total + 8, seed=0))
+    k = new * turns if mode == "single" else new
+    params = SamplingParams(max_new_tokens=k, temperature=1.0, stop_token_ids=())
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and next(model.parameters()).is_cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    ids = {engine.submit(p, params, continuable=mode == "extend")[0]: i for i, p in enumerate(prompts)}
+    turn = dict.fromkeys(ids, 1)
+    generated = 0
+    while engine.num_unfinished:
+        for c in engine.step():
+            generated += len(c.token_ids)
+            if mode == "single" or turn[c.request_id] == turns:
+                continue
+            i, t = ids[c.request_id], turn[c.request_id]
+            if mode == "extend":
+                engine.extend(c.request_id, tool[i][t - 1])
+                turn[c.request_id] += 1
+            else:
+                (rid,) = engine.submit(c.prompt_ids + c.token_ids + tool[i][t - 1], params)
+                ids[rid], turn[rid] = i, t + 1
+    sync()
+    wall = time.perf_counter() - t0
+    s = engine.stats()
+    return {"mode": mode, "wall_s": wall, "generated_tokens": generated, "tokens_per_s": generated / wall,
+            "tokens_computed": s["tokens_computed"], "prefix_cache_hit_rate": s["prefix_cache_hit_rate"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    ap.add_argument("--n", type=int, default=128, help="conversations")
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    ap.add_argument("--turns", type=int, default=4, help="model turns per conversation")
+    ap.add_argument("--new", type=int, default=128, help="tokens per model turn")
+    ap.add_argument("--appended", type=int, default=64, help="tool tokens after each turn but the last")
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    model = build(a.shape, a.device, dtype, "unison")
+    workload = {k: getattr(a, k) for k in ("shape", "n", "prompt", "turns", "new", "appended", "block")}
+    results = [run(model, m, a.n, a.prompt, a.turns, a.new, a.appended, a.block) for m in ("extend", "resubmit",
+                                                                                              "single")]
+    out = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "workload": workload,
+           "results": results}
+    print(json.dumps(out, indent=2))
+    if a.json:
+        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

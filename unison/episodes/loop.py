@@ -1,0 +1,314 @@
+"""The multi-turn rollout loop: each sample an episode of model turns and tool (or environment) turns.
+
+It is ``RolloutLoop`` with episodes in place of single completions: a group's episodes start as one engine group
+(their shared prompt prefilled once), and after each model turn that calls tools the loop runs them, renders their
+replies with the chat template and extends the same engine request with those tokens (``Engine.extend``: the
+conversation is never prefilled again; an engine without ``extend``, such as the clients of ``unison serve``, gets
+each next turn as a new request of the whole conversation instead). A step's tool calls of every episode run at
+once, in threads. An episode ends when the model answers without a tool call, at
+``max_turns``, when the next turn would not fit ``max_tokens``, or when its completion is cut by length. It is then
+scored (reward functions see the model's last turn as the completion and, with an environment, the episode's
+object as ``environments``) and becomes one ``Sample`` whose mask trains only the model's tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..engine import Completion
+from ..engine.seeding import group_seed
+from ..rollout.advantage import group_advantages
+from ..rollout.loop import RolloutLoop
+from .environment import environment_tools, reset_environment
+from .episode import ChatRenderer, Episode
+from .parsing import ParsedTurn, parse_tool_calls
+from .tools import ERROR_KINDS, ToolBox, ToolConfig, ToolResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EpisodeConfig:
+    max_turns: int = 4
+    """Model turns per episode; the last one's tool calls are not run."""
+    max_tokens: int | None = None
+    """Tokens per episode (prompt, every turn, every tool reply: the packed training row); None: the trainer's
+    step.max_tokens_per_row."""
+    tool_timeout_s: float = 10.0
+    """Wall time of one tool call; past it the model reads that the call timed out."""
+    max_tool_result_chars: int = 2000
+    """A tool reply is cut to this many characters."""
+
+    def __post_init__(self):
+        if self.max_turns < 1:
+            raise ValueError(f"EpisodeConfig.max_turns must be >= 1, got {self.max_turns}")
+        if self.max_tokens is not None and self.max_tokens < 2:
+            raise ValueError(f"EpisodeConfig.max_tokens must be >= 2, got {self.max_tokens}")
+        ToolConfig(self.tool_timeout_s, self.max_tool_result_chars)  # validates the tool fields
+
+
+@dataclass
+class _EpisodeGroup:
+    row: dict
+    prompt_text: str
+    pending: int
+    group_id: str = ""  # the engine's, from the first completion that lands
+    landed: list[tuple[Episode, float | None]] = field(default_factory=list)
+
+
+class MultiTurnRolloutLoop(RolloutLoop):
+    """``RolloutLoop``'s arguments, plus ``tools`` (plain functions shared by every episode) and/or
+    ``environment_factory`` (one object per episode, its public methods the tools)."""
+
+    def __init__(self, engine, tokenizer, rows, reward_fns, cfg, *args, episode_cfg: EpisodeConfig | None = None,
+                 tools: list[Callable] = (), environment_factory: Callable[[], object] | None = None, **kwargs):
+        super().__init__(engine, tokenizer, rows, reward_fns, cfg, *args, **kwargs)
+        # The local engine continues a request on its own KV; an engine without extend() (the clients of `unison
+        # serve`) gets each next turn as a new request of the whole conversation (its prefix cache may serve it).
+        self.continues = hasattr(engine, "extend")
+        if not tools and environment_factory is None:
+            raise ValueError("a multi-turn rollout needs tools or an environment_factory")
+        self.episode_cfg = episode_cfg or EpisodeConfig()
+        self.tool_cfg = ToolConfig(self.episode_cfg.tool_timeout_s, self.episode_cfg.max_tool_result_chars)
+        self.max_tokens = self.episode_cfg.max_tokens or self.max_sample_tokens or getattr(engine, "max_model_len", 0)
+        if not self.max_tokens:
+            raise ValueError("multi-turn episodes need a token limit: set episode.max_tokens")
+        self.tools = list(tools)
+        self.toolbox = ToolBox(self.tools, self.tool_cfg) if self.tools else None
+        self.environment_factory = environment_factory
+        self.episodes: dict[str, Episode] = {}  # request id -> its episode
+        self.episode_window: dict[str, list[float]] = {"turns": [], "tool_calls": [], "tool_s": [],
+                                                       "model_tokens": [], "context_tokens": []}
+
+    # -- starting episodes --------------------------------------------------------------------------------
+
+    def _fill(self) -> None:
+        tries = 0
+        while self.in_flight + self.cfg.group_size <= self.cfg.max_concurrent_rollouts and tries < len(self.rows):
+            tries += 1
+            row = self._next_row()
+            episodes = [ep for ep in (self._start(row) for _ in range(self.cfg.group_size)) if ep is not None]
+            if len(episodes) < 2:  # no advantage without two episodes
+                self.counts["skipped_prompts"] += 1
+                continue
+            group = _EpisodeGroup(row, _prompt_text(row["prompt"]), len(episodes))
+            try:
+                self._submit(episodes, group)
+            except ValueError as e:  # a prompt longer than the context or the row: skipped and counted
+                self.counts["skipped_prompts"] += 1
+                log.warning("skipping a prompt: %s", e)
+                if tries >= len(self.rows) and not self.in_engine:  # a whole pass without a usable prompt
+                    raise RuntimeError(f"no prompt can be rolled out; the last was skipped because: {e}") from e
+                continue
+            tries = 0
+
+    def _start(self, row: dict) -> Episode | None:
+        env, observation, box = None, None, self.toolbox
+        if self.environment_factory is not None:
+            try:
+                env = self.environment_factory()
+                observation = reset_environment(env, row)
+                box = ToolBox(environment_tools(env) + self.tools, self.tool_cfg, sequential=True)
+            except Exception as e:  # a user's environment must not end the run: the episode is dropped
+                self._drop(f"environment reset failed ({type(e).__name__}: {e})"[:300])
+                return None
+        renderer = ChatRenderer(self.tokenizer, box.schemas, self.system_prompt)
+        messages = renderer.messages_of(row["prompt"], observation)
+        return Episode(row, messages, renderer.prompt_ids(messages), env, box)
+
+    def _submit(self, episodes: list[Episode], group: _EpisodeGroup) -> None:
+        prompt = episodes[0].prompt_ids
+        batches = [episodes] if all(ep.prompt_ids == prompt for ep in episodes) else [[ep] for ep in episodes]
+        room = self.max_tokens - max(len(ep.prompt_ids) for ep in episodes)
+        if room < 1:
+            raise ValueError(f"a prompt of {max(len(ep.prompt_ids) for ep in episodes)} tokens leaves no room for a "
+                             f"turn in an episode of {self.max_tokens} tokens")
+        params = dataclasses.replace(self.params, seed=group_seed(self.seed_rng),
+                                     max_new_tokens=min(self.params.max_new_tokens, room))
+        for batch in batches:
+            more = {"continuable": True} if self.continues else {}
+            ids = self.engine.submit(batch[0].prompt_ids, dataclasses.replace(params, n=len(batch)), **more)
+            for rid, ep in zip(ids, batch, strict=True):
+                self.in_engine[rid] = group
+                self.episodes[rid] = ep
+
+    # -- turns ---------------------------------------------------------------------------------------------
+
+    def _land(self, completions: list[Completion]) -> None:
+        ended: list[tuple[str, Episode, bool]] = []  # request id, episode, dropped
+        calling: list[tuple[Completion, Episode, ParsedTurn]] = []  # turns whose tool calls run now
+        for c in completions:
+            ep = self.episodes[c.request_id]
+            group = self.in_engine[c.request_id]
+            group.group_id = group.group_id or c.group_id
+            if c.finish_reason == "abort" or not c.token_ids:
+                self.counts["aborted"] += 1
+                ended.append((c.request_id, ep, True))
+                continue
+            ep.add_model_turn(list(c.token_ids), list(c.logprobs), list(c.weight_versions))
+            ep.finish_reason = c.finish_reason
+            parsed = self._tool_calls(c, ep)
+            if parsed is None:
+                ended.append((c.request_id, ep, False))
+            else:
+                calling.append((c, ep, parsed))
+        # Every episode's calls of this engine step at once: slow tools cost one timeout a step, not one an episode.
+        results = _run_all([(ep.tools, parsed.calls) for _, ep, parsed in calling])
+        for (c, ep, parsed), turn_results in zip(calling, results, strict=True):
+            outcome = self._next_turn(c, ep, parsed, turn_results)
+            if outcome != "continued":
+                ended.append((c.request_id, ep, outcome == "dropped"))
+        if self.continues:
+            self.engine.release([rid for rid, _, _ in ended])
+        self._score([(rid, ep) for rid, ep, dropped in ended if not dropped])
+        for rid, ep, dropped in ended:
+            group = self.in_engine.pop(rid)
+            del self.episodes[rid]
+            group.pending -= 1
+            if dropped:
+                group.landed.append((ep, None))
+            if group.pending == 0:
+                self._close(group, group.group_id)
+
+    def _tool_calls(self, c: Completion, ep: Episode) -> ParsedTurn | None:
+        """The turn's tool calls, or None where the episode ends with this turn."""
+        ep.last_text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        if c.finish_reason != "stop" or ep.turns >= self.episode_cfg.max_turns:
+            return None
+        parsed = parse_tool_calls(ep.last_text, self.tokenizer, ep.tools.schemas)
+        return parsed if parsed.calls or parsed.malformed else None  # no call: the model answered
+
+    def _next_turn(self, c: Completion, ep: Episode, parsed: ParsedTurn, results: list[ToolResult]) -> str:
+        """Extend the request with the tool replies: "continued", "ended" or "dropped"."""
+        text = ep.last_text
+        ep.tool_calls += len(parsed.calls) + len(parsed.malformed)
+        self.counts["tools/errors/malformed"] += len(parsed.malformed)
+        for r in results:
+            ep.tool_s += r.seconds
+            self.counts[f"tools/errors/{r.error}"] += r.error is not None
+            self.counts["tools/truncated"] += r.truncated
+        # An environment's tool that raised or hung leaves its state unknown: the episode cannot be trusted.
+        broken = [r for r in results if r.error in ("exception", "timeout")] if ep.environment is not None else []
+        if broken:
+            self._drop(broken[0].text)
+            return "dropped"
+        replies = [{"role": "tool", "name": r.name, "content": r.text} for r in results]
+        replies += [{"role": "tool", "content": f"error: {m}"} for m in parsed.malformed]
+        messages = ep.messages + [{"role": "assistant", "content": text}]
+        renderer = ChatRenderer(self.tokenizer, ep.tools.schemas, self.system_prompt)
+        delta = renderer.continuation(list(c.prompt_ids) + list(c.token_ids), messages, replies)
+        if delta is None:
+            self.counts["template_mismatch"] += 1
+            return "ended"
+        room = self.max_tokens - ep.num_tokens - len(delta)
+        if room < 1:
+            ep.finish_reason = "length"
+            return "ended"
+        ep.messages = messages + replies
+        ep.add_context(delta)
+        params = dataclasses.replace(self.params, n=1, seed=None, max_new_tokens=min(self.params.max_new_tokens, room))
+        if self.continues:
+            self.engine.extend(c.request_id, delta, params)
+        else:
+            (rid,) = self.engine.submit(list(ep.prompt_ids) + ep.tokens, params)
+            self.in_engine[rid] = self.in_engine.pop(c.request_id)
+            self.episodes[rid] = self.episodes.pop(c.request_id)
+        return "continued"
+
+    def _no_batch(self) -> str:
+        dropped = self.counts["dropped_episodes"]
+        why = f"; {dropped} episodes were dropped (an environment's reset or tool raised)" if dropped else ""
+        return super()._no_batch() + why
+
+    def _drop(self, why: str) -> None:
+        self.counts["dropped_episodes"] += 1
+        if self.counts["dropped_episodes"] <= 3:
+            log.warning("dropping an episode: %s", why)
+
+    # -- scoring and samples -------------------------------------------------------------------------------
+
+    def _score(self, ended: list[tuple[str, Episode]]) -> None:
+        if not ended:
+            return
+        rows = [ep.row for _, ep in ended]
+        keys = dict.fromkeys(k for row in rows for k in row if k != "prompt")
+        columns = {k: [row.get(k) for row in rows] for k in keys}
+        if self.environment_factory is not None:
+            columns["environments"] = [ep.environment for _, ep in ended]
+        prompts = [self.in_engine[rid].prompt_text for rid, _ in ended]
+        scored = self.scorer.score(prompts, [ep.last_text for _, ep in ended], columns)
+        for (rid, ep), (reward, parts) in zip(ended, scored, strict=True):
+            self.in_engine[rid].landed.append((ep, reward))
+            self.window["length"].append(len(ep.tokens))
+            self.window["truncated"].append(float(ep.finish_reason == "length"))
+            if reward is None:
+                self.counts["missing_reward"] += 1
+            else:
+                self.window["reward"].append(reward)
+                for name, value in parts.items():
+                    self.window_parts.setdefault(name, []).append(value)
+            w = self.episode_window
+            w["turns"].append(ep.turns)
+            w["tool_calls"].append(ep.tool_calls)
+            w["tool_s"].append(ep.tool_s)
+            w["model_tokens"].append(sum(ep.mask))
+            w["context_tokens"].append(len(ep.mask) - sum(ep.mask))
+            self.gen_tokens += sum(ep.mask)
+
+    def _close(self, group: _EpisodeGroup, group_id: str) -> None:
+        scored = [(ep, r) for ep, r in group.landed if r is not None]
+        advantages = group_advantages([r for _, r in scored], self.cfg.advantage_eps,
+                                      *([self.cfg.scale_rewards] if hasattr(self.cfg, "scale_rewards") else []))
+        if advantages is None:
+            self.counts["zero_std_groups"] += 1
+            return
+        self.counts["groups"] += 1
+        self.ready += [ep.sample(r, a, group_id) for (ep, r), a in zip(scored, advantages, strict=True)]
+
+    def _metrics(self, batch, trainer_version, wait_s):
+        m = super()._metrics(batch, trainer_version, wait_s)
+        w = self.episode_window
+        mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")
+        m.update({"episode/turns_mean": mean(w["turns"]), "episode/tool_calls_mean": mean(w["tool_calls"]),
+                  "episode/tool_s_mean": mean(w["tool_s"]), "episode/model_tokens_mean": mean(w["model_tokens"]),
+                  "episode/context_tokens_mean": mean(w["context_tokens"]),
+                  "rollout/dropped_episodes": float(self.counts["dropped_episodes"]),
+                  "rollout/template_mismatch": float(self.counts["template_mismatch"]),
+                  "tools/truncated": float(self.counts["tools/truncated"])})
+        for kind in ERROR_KINDS:
+            m[f"tools/errors/{kind}"] = float(self.counts[f"tools/errors/{kind}"])
+        self.episode_window = {k: [] for k in w}
+        return m
+
+
+def _run_all(batches: list[tuple[ToolBox, list]]) -> list[list[ToolResult]]:
+    """``box.call_many(calls)`` of every batch, the batches in threads of their own; results in batch order."""
+    results: list[list[ToolResult]] = [[] for _ in batches]
+
+    def run(i: int) -> None:
+        box, calls = batches[i]
+        try:
+            results[i] = box.call_many(calls)
+        except Exception as e:  # a bug here must not leave the calls unanswered: the model reads it
+            results[i] = [ToolResult(c.name, f"{c.name} could not be run ({type(e).__name__}: {e})"[:300],
+                                     "exception") for c in calls]
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i, (_, calls) in enumerate(batches) if calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()  # bounded: call_many returns within its timeouts
+    return results
+
+
+def _prompt_text(prompt) -> str:
+    """What reward functions see as the prompt: the text, or a conversation's last user message."""
+    if isinstance(prompt, str):
+        return prompt
+    users = [m.get("content", "") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+    return str(users[-1]) if users else ""
+

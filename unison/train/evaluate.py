@@ -1,0 +1,132 @@
+"""Evaluation during training: the held-out prompts through the same engine, on the live weights.
+
+Every ``eval.steps`` steps (and after the last) each held-out prompt gets one greedy completion and ``eval.k``
+sampled ones (the rollout's sampling settings), scored by the run's reward functions. A completion is correct where
+the correctness reward (``eval.correct_reward``, by default the first function: accuracy for data files, the task's
+own scorer for reasoning-gym tasks) is at least 1. Metrics (``eval/...``, in the step's record of metrics.jsonl):
+
+- ``eval/greedy_accuracy``: fraction of prompts whose greedy completion is correct;
+- ``eval/pass@k``: fraction of prompts with at least one correct sampled completion;
+- ``eval/mean@k``: mean over prompts of the fraction of their k samples that are correct;
+- ``eval/greedy_reward_mean``, ``eval/reward_mean``: the weighted reward, greedy and sampled.
+
+The engine keeps serving the training rollouts in flight meanwhile; their completions go back to the rollout loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..engine import Completion
+from ..engine.stop import completion_text
+from ..rollout.loop import RolloutConfig, encode_prompt
+from ..rollout.rewards import RewardFn, RewardScorer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalConfig:
+    steps: int = 0
+    """Evaluate every this many steps and after the last (TRL's eval_steps) on the held-out rows (data.eval_split or
+    data.eval_source); 0: never."""
+    k: int = 4
+    """Sampled completions per prompt, for pass@k and mean@k."""
+    max_prompts: int = 0
+    """Evaluate on the first this many held-out prompts; 0: all of them."""
+    correct_reward: str = ""
+    """The reward function whose value >= 1 marks a completion correct (its name as in the ``reward/<name>``
+    metrics); "": the first reward function."""
+
+    def __post_init__(self):
+        for name in ("steps", "max_prompts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.k < 1:
+            raise ValueError(f"k must be >= 1, got {self.k}")
+
+
+class Evaluator:
+    """Runs the evaluation on ``rows`` with ``engine``; ``reward_fns`` score it (their failures counted apart from
+    the training's, as ``eval/reward_failed``)."""
+
+    def __init__(self, cfg: EvalConfig, engine, tokenizer, rows: list[dict], reward_fns: list[tuple[RewardFn, float]],
+                 rollout: RolloutConfig, stop_token_ids: list[int] | None, system_prompt: str | None, seed: int):
+        if not rows:
+            raise ValueError("eval.steps is set but there are no held-out rows: set data.eval_split (a split name "
+                             "or a fraction) or data.eval_source")
+        self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
+        self.rows = rows[:cfg.max_prompts] if cfg.max_prompts else rows
+        self.scorer = RewardScorer(reward_fns)
+        if cfg.correct_reward and cfg.correct_reward not in self.scorer.names:
+            raise ValueError(f"eval.correct_reward={cfg.correct_reward!r} is none of the reward functions "
+                             f"{self.scorer.names}")
+        self.correct = cfg.correct_reward or self.scorer.names[0]
+        self.system_prompt, self.seed = system_prompt, seed
+        self.greedy = dataclasses.replace(rollout.sampling_params(n=1, stop_token_ids=stop_token_ids), temperature=0.0)
+        self.sampled = rollout.sampling_params(n=cfg.k, stop_token_ids=stop_token_ids)
+
+    def due(self, step: int, max_steps: int) -> bool:
+        return self.cfg.steps > 0 and (step % self.cfg.steps == 0 or step == max_steps)
+
+    def run(self, land_others: Callable[[list[Completion]], None]) -> dict[str, float]:
+        """Evaluate; completions of requests not the evaluation's go to ``land_others``."""
+        t0 = time.perf_counter()
+        mine: dict[str, tuple[int, str]] = {}  # request id -> (row index, "greedy" | "sampled")
+        skipped = 0
+        for i, row in enumerate(self.rows):
+            ids = encode_prompt(self.tokenizer, row["prompt"], self.system_prompt)
+            try:  # the same seeds at every evaluation: the curves compare like with like
+                for mode, params in (("greedy", self.greedy), ("sampled", self.sampled)):
+                    seeded = dataclasses.replace(params, seed=self.seed * 1_000_003 + i)
+                    mine.update(dict.fromkeys(self.engine.submit(ids, seeded), (i, mode)))
+            except ValueError as e:  # a prompt too long for the context: skipped and counted
+                skipped += 1
+                log.warning("eval: skipping prompt %d: %s", i, e)
+        done: dict[str, Completion] = {}
+        while len(done) < len(mine):
+            finished = self.engine.step()
+            others = [c for c in finished if c.request_id not in mine]
+            if others:
+                land_others(others)
+            done.update((c.request_id, c) for c in finished if c.request_id in mine)
+        metrics = self._score(done, mine)
+        metrics["eval/skipped_prompts"] = float(skipped)
+        metrics["eval/time_s"] = time.perf_counter() - t0
+        return metrics
+
+    def _score(self, done: dict[str, Completion], mine: dict[str, tuple[int, str]]) -> dict[str, float]:
+        ids = list(done)
+        rows = [self.rows[mine[r][0]] for r in ids]
+        keys = dict.fromkeys(k for row in rows for k in row if k != "prompt")
+        columns = {k: [row.get(k) for row in rows] for k in keys}
+        texts = [completion_text(self.tokenizer, done[r]) for r in ids]  # as the rollout's: cut before a stop string
+        scored = self.scorer.score([row["prompt"] for row in rows], texts, columns,
+                                   [list(done[r].token_ids) for r in ids]) if ids else []
+        greedy_ok, greedy_reward, sampled_reward = [], [], []
+        per_prompt: dict[int, list[float]] = {}
+        for r, (reward, parts) in zip(ids, scored, strict=True):
+            i, mode = mine[r]
+            correct = float(parts.get(self.correct, 0.0) >= 1.0)
+            if mode == "greedy":
+                greedy_ok.append(correct)
+                greedy_reward.append(reward)
+            else:
+                per_prompt.setdefault(i, []).append(correct)
+                sampled_reward.append(reward)
+        mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")
+        known = lambda xs: [x for x in xs if x is not None]
+        k = self.cfg.k
+        return {
+            "eval/greedy_accuracy": mean(greedy_ok),
+            f"eval/pass@{k}": mean([float(any(c)) for c in per_prompt.values()]),
+            f"eval/mean@{k}": mean([mean(c) for c in per_prompt.values()]),
+            "eval/greedy_reward_mean": mean(known(greedy_reward)),
+            "eval/reward_mean": mean(known(sampled_reward)),
+            "eval/prompts": float(len(per_prompt)),
+            "eval/reward_failed": float(sum(self.scorer.missing.values())),
+        }
