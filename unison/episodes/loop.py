@@ -243,14 +243,7 @@ class MultiTurnRolloutLoop(RolloutLoop):
         scored = self.scorer.score(prompts, [ep.last_text for _, ep in ended], columns)
         for (rid, ep), (reward, parts) in zip(ended, scored, strict=True):
             self.in_engine[rid].landed.append((ep, reward))
-            self.window["length"].append(len(ep.tokens))
-            self.window["truncated"].append(float(ep.finish_reason == "length"))
-            if reward is None:
-                self.counts["missing_reward"] += 1
-            else:
-                self.window["reward"].append(reward)
-                for name, value in parts.items():
-                    self.window_parts.setdefault(name, []).append(value)
+            self._record(len(ep.tokens), ep.finish_reason, reward, parts)
             w = self.episode_window
             w["turns"].append(ep.turns)
             w["tool_calls"].append(ep.tool_calls)

@@ -259,17 +259,21 @@ class RolloutLoop:
             else:
                 reward, parts = scores[completion.request_id]
                 group.landed.append((completion, reward))
-                self.window["length"].append(len(completion.token_ids))
-                self.window["truncated"].append(float(completion.finish_reason == "length"))
-                if reward is None:
-                    self.counts["missing_reward"] += 1
-                else:
-                    self.window["reward"].append(reward)
-                    for name, value in parts.items():
-                        self.window_parts.setdefault(name, []).append(value)
+                self._record(len(completion.token_ids), completion.finish_reason, reward, parts)
                 self.gen_tokens += len(completion.token_ids)
             if group.pending == 0:
                 self._close(group, completion.group_id)
+
+    def _record(self, length: int, finish_reason: str, reward: float | None, parts: dict[str, float]) -> None:
+        """A landed sample's length, truncation and reward (its parts) in the metrics window."""
+        self.window["length"].append(length)
+        self.window["truncated"].append(float(finish_reason == "length"))
+        if reward is None:
+            self.counts["missing_reward"] += 1
+        else:
+            self.window["reward"].append(reward)
+            for name, value in parts.items():
+                self.window_parts.setdefault(name, []).append(value)
 
     def _close(self, group: _Group, group_id: str) -> None:
         scored = [(c, r) for c, r in group.landed if r is not None]
