@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ..bits import checksum
+from ..rollout.rewards import WrappedScorer
 from .runtime import agree_with_rank0, local
 from .topology import Ranks, Topology
 
@@ -270,19 +271,12 @@ def check_ranks_agree(samples, tp: Ranks) -> None:
     agree_with_rank0(digest(samples), tp, "tensor-parallel ranks {} rolled out other samples than rank 0")
 
 
-class BroadcastScorer:
+class BroadcastScorer(WrappedScorer):
     """A reward scorer that runs on rank 0 only; the other ranks receive its results."""
 
     def __init__(self, inner, tp: Ranks):
-        self.inner, self.tp = inner, tp
-
-    @property
-    def names(self) -> list[str]:
-        return self.inner.names
-
-    @property
-    def missing(self):
-        return self.inner.missing
+        super().__init__(inner)
+        self.tp = tp
 
     def missing_report(self) -> str | None:
         """Rank 0's report; None on the other ranks (rank 0 scores, and its error names what was missing)."""

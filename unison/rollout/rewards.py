@@ -65,6 +65,28 @@ class Scorer(Protocol):
         where another process scores, whose report it is."""
 
 
+class WrappedScorer:
+    """A scorer around another (rank 0's scorer broadcast, a recording one): the names, failure counts and report
+    are the inner scorer's; subclasses change ``score``."""
+
+    def __init__(self, inner: Scorer):
+        self.inner = inner
+
+    @property
+    def names(self) -> list[str]:
+        return self.inner.names
+
+    @property
+    def missing(self):
+        return self.inner.missing
+
+    def missing_report(self) -> str | None:
+        return self.inner.missing_report()
+
+    def score(self, prompts, completions, columns, completion_ids=None):
+        return self.inner.score(prompts, completions, columns, completion_ids)
+
+
 @dataclass(frozen=True)
 class _Failed:
     why: str  # "ZeroDivisionError: division by zero", "returned NaN"

@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from ..rollout.rewards import WrappedScorer
+
 log = logging.getLogger(__name__)
 
 COMPLETIONS_FILE = "completions.jsonl"
@@ -113,24 +115,13 @@ def _plain(value: Any) -> Any:
     return value if isinstance(value, int | float | str | type(None)) else json.dumps(value)
 
 
-class RecordingScorer:
+class RecordingScorer(WrappedScorer):
     """A scorer that remembers the last ``keep`` completions it scored, for the completion log; everything else is
     the wrapped scorer's."""
 
     def __init__(self, inner, keep: int):
-        self.inner = inner
+        super().__init__(inner)
         self.recent: deque[dict] = deque(maxlen=keep)
-
-    @property
-    def names(self) -> list[str]:
-        return self.inner.names
-
-    @property
-    def missing(self):
-        return self.inner.missing
-
-    def missing_report(self) -> str | None:
-        return self.inner.missing_report()
 
     def score(self, prompts, completions, columns, completion_ids=None):
         scored = self.inner.score(prompts, completions, columns, completion_ids)
