@@ -93,6 +93,22 @@ def test_episode_tokens_are_the_engines_and_the_mask_covers_exactly_the_models_t
     assert metrics["episode/context_tokens_mean"] > 0 and metrics["rollout/dropped_episodes"] == 0
 
 
+def test_reward_functions_get_the_last_turn_as_completion_and_completion_ids():
+    seen = []
+
+    def last_turn(prompts, completions, completion_ids, environments, **_):
+        seen.extend(zip(completions, completion_ids, strict=True))
+        return [float(env.solved) for env in environments]
+
+    loop = make_loop(reward_fns=[(last_turn, 1.0)])
+    batch, _ = loop.next_batch(trainer_version=0)
+    assert len(seen) >= len(batch)
+    tok = loop.tokenizer
+    for s in batch:  # each sample's completion ends with its last model turn: those ids, that text
+        text, ids = next((t, i) for t, i in seen if list(s.completion_ids[-len(i):]) == i)
+        assert tok.decode(ids, skip_special_tokens=True) == text and ids[-1] == 257
+
+
 def test_engine_logprobs_of_the_models_tokens_match_the_trainers_and_tool_tokens_are_not_trained():
     loop = make_loop()
     batch, _ = loop.next_batch(trainer_version=0)

@@ -19,28 +19,78 @@ tool (type hints and a docstring, as for plain tool functions). Reward functions
 >>> def solved(prompts, completions, environments, **_):
 ...     return [float(env.solved) for env in environments]
 
-A tool method that raises (or a ``reset`` that does) ends its episode, which is dropped and counted
-(``rollout/dropped_episodes``): the environment's state can no longer be trusted. Plain tool functions, stateless,
-instead report their exceptions to the model.
+An environment may also answer the model's plain text, as verifiers' ``MultiTurnEnv.env_response`` does: after a
+model turn without tool calls (and not cut by the token limit), ``respond(text)`` gets the turn's text; a string it
+returns is the next user message, None ends the episode. ``respond`` is, like ``reset``, not a tool; an environment
+with ``respond`` needs no tools at all. It sees the last turn of ``episode.max_turns`` too (so its state counts the
+final answer), though its reply to that one is not shown.
+
+>>> class Countdown:
+...     def reset(self, **row) -> str:
+...         self.left = 2
+...         return "Say anything, twice."
+...
+...     def respond(self, text: str) -> str | None:
+...         self.left -= 1
+...         return f"{self.left} to go." if self.left else None
+>>> environment_tools(Countdown())
+[]
+
+A tool method or ``respond`` that raises or hangs past ``episode.tool_timeout_s`` (or a ``reset`` that raises)
+ends its episode, which is dropped and counted (``rollout/dropped_episodes``): the environment's state can no longer
+be trusted. Plain tool functions, stateless, instead report their exceptions to the model.
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
+import time
 from collections.abc import Callable
+
+RESERVED = ("reset", "respond")
+"""Environment methods the loop calls itself: never offered to the model as tools."""
 
 
 def environment_tools(env: object) -> list[Callable]:
-    """The environment's public methods other than ``reset``: its tools, bound to it."""
+    """The environment's public methods other than ``reset`` and ``respond``: its tools, bound to it."""
     tools = []
     for name, member in inspect.getmembers(type(env)):
-        if name.startswith("_") or name == "reset" or not callable(member) or isinstance(member, type):
+        if name.startswith("_") or name in RESERVED or not callable(member) or isinstance(member, type):
             continue
         tools.append(getattr(env, name))
-    if not tools:
-        raise ValueError(f"environment {type(env).__name__} has no public methods besides reset: it offers the "
-                         "model no tools")
+    if not tools and not responds(env):
+        raise ValueError(f"environment {type(env).__name__} has no public methods besides reset and no "
+                         "respond(text) method: it offers the model no tools and answers none of its turns")
     return tools
+
+
+def responds(env: object | None) -> bool:
+    """Whether the environment answers the model's plain text (has ``respond(text)``)."""
+    return env is not None and callable(getattr(env, "respond", None))
+
+
+def respond_all(turns: list[tuple[object, str]], timeout_s: float) -> list[str | None | Exception]:
+    """``env.respond(text)`` of every (environment, turn text), at once, each in a thread under ``timeout_s``: the
+    reply as text (None: the episode ends), or the exception it raised (a ``TimeoutError`` for one past its
+    timeout); results in order."""
+    results: list = [TimeoutError(f"respond() took longer than {timeout_s:g} s")] * len(turns)
+
+    def run(i: int) -> None:
+        env, text = turns[i]
+        try:
+            reply = env.respond(text)
+            results[i] = None if reply is None else str(reply)
+        except Exception as e:  # a user's environment must not end the run: the caller drops the episode
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(turns))]
+    deadline = time.perf_counter() + timeout_s
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(deadline - time.perf_counter(), 0.0))
+    return list(results)  # a copy: a thread past its timeout may still write into results
 
 
 def reset_environment(env: object, row: dict) -> str | None:

@@ -118,6 +118,7 @@ class Episode:
     tool_calls: int = 0
     tool_s: float = 0.0
     last_text: str = ""  # the model's last turn, what reward functions score as the completion
+    last_ids: list[int] = field(default_factory=list)  # ... and its token ids (reward functions' completion_ids)
     finish_reason: str = "stop"
 
     @property

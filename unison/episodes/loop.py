@@ -5,10 +5,12 @@ It is ``RolloutLoop`` with episodes in place of single completions: a group's ep
 replies with the chat template and extends the same engine request with those tokens (``Engine.extend``: the
 conversation is never prefilled again; an engine without ``extend``, such as the clients of ``unison serve``, gets
 each next turn as a new request of the whole conversation instead). A step's tool calls of every episode run at
-once, in threads. An episode ends when the model answers without a tool call, at
-``max_turns``, when the next turn would not fit ``max_tokens``, or when its completion is cut by length. It is then
-scored (reward functions see the model's last turn as the completion and, with an environment, the episode's
-object as ``environments``) and becomes one ``Sample`` whose mask trains only the model's tokens.
+once, in threads. A turn without tool calls goes to the environment's ``respond(text)`` where it has one (its reply
+is the next user message, rendered and appended the same way; None ends the episode). An episode ends when the model
+answers without a tool call and no environment responds, at ``max_turns``, when the next turn would not fit
+``max_tokens``, or when its completion is cut by length. It is then scored (reward functions see the model's last
+turn as the completion and, with an environment, the episode's object as ``environments``) and becomes one
+``Sample`` whose mask trains only the model's tokens.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from ..engine import Completion
 from ..engine.seeding import group_seed
 from ..rollout.advantage import group_advantages
 from ..rollout.loop import RolloutLoop
-from .environment import environment_tools, reset_environment
+from .environment import environment_tools, reset_environment, respond_all, responds
 from .episode import ChatRenderer, Episode
 from .parsing import ParsedTurn, parse_tool_calls
-from .tools import ERROR_KINDS, ToolBox, ToolConfig, ToolResult
+from .tools import ERROR_KINDS, ToolBox, ToolConfig, ToolResult, cut
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +41,10 @@ class EpisodeConfig:
     """Tokens per episode (prompt, every turn, every tool reply: the packed training row); None: the trainer's
     step.max_tokens_per_row."""
     tool_timeout_s: float = 10.0
-    """Wall time of one tool call; past it the model reads that the call timed out."""
+    """Wall time of one tool call (or environment respond); past it the model reads that the call timed out (a
+    respond past it drops its episode)."""
     max_tool_result_chars: int = 2000
-    """A tool reply is cut to this many characters."""
+    """A tool reply (or an environment's respond reply) is cut to this many characters."""
 
     def __post_init__(self):
         if self.max_turns < 1:
@@ -141,6 +144,7 @@ class MultiTurnRolloutLoop(RolloutLoop):
     def _land(self, completions: list[Completion]) -> None:
         ended: list[tuple[str, Episode, bool]] = []  # request id, episode, dropped
         calling: list[tuple[Completion, Episode, ParsedTurn]] = []  # turns whose tool calls run now
+        answering: list[tuple[Completion, Episode]] = []  # plain turns the environment responds to
         for c in completions:
             ep = self.episodes[c.request_id]
             group = self.in_engine[c.request_id]
@@ -152,16 +156,19 @@ class MultiTurnRolloutLoop(RolloutLoop):
             ep.add_model_turn(list(c.token_ids), list(c.logprobs), list(c.weight_versions))
             ep.finish_reason = c.finish_reason
             parsed = self._tool_calls(c, ep)
-            if parsed is None:
-                ended.append((c.request_id, ep, False))
-            else:
+            if parsed is not None and ep.turns < self.episode_cfg.max_turns:
                 calling.append((c, ep, parsed))
+            elif parsed is None and c.finish_reason == "stop" and responds(ep.environment):
+                answering.append((c, ep))
+            else:
+                ended.append((c.request_id, ep, False))
         # Every episode's calls of this engine step at once: slow tools cost one timeout a step, not one an episode.
         results = _run_all([(ep.tools, parsed.calls) for _, ep, parsed in calling])
-        for (c, ep, parsed), turn_results in zip(calling, results, strict=True):
-            outcome = self._next_turn(c, ep, parsed, turn_results)
-            if outcome != "continued":
-                ended.append((c.request_id, ep, outcome == "dropped"))
+        replies = respond_all([(ep.environment, ep.last_text) for _, ep in answering], self.tool_cfg.timeout_s)
+        outcomes = [(c, ep, self._next_turn(c, ep, parsed, turn_results))
+                    for (c, ep, parsed), turn_results in zip(calling, results, strict=True)]
+        outcomes += [(c, ep, self._answer(c, ep, reply)) for (c, ep), reply in zip(answering, replies, strict=True)]
+        ended += [(c.request_id, ep, outcome == "dropped") for c, ep, outcome in outcomes if outcome != "continued"]
         if self.continues:
             self.engine.release([rid for rid, _, _ in ended])
         self._score([(rid, ep) for rid, ep, dropped in ended if not dropped])
@@ -175,16 +182,16 @@ class MultiTurnRolloutLoop(RolloutLoop):
                 self._close(group, group.group_id)
 
     def _tool_calls(self, c: Completion, ep: Episode) -> ParsedTurn | None:
-        """The turn's tool calls, or None where the episode ends with this turn."""
+        """The turn's tool calls; None where it made none (or was cut, or the episode has no tools)."""
         ep.last_text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-        if c.finish_reason != "stop" or ep.turns >= self.episode_cfg.max_turns:
+        ep.last_ids = list(c.token_ids)
+        if c.finish_reason != "stop" or not ep.tools.tools:
             return None
         parsed = parse_tool_calls(ep.last_text, self.tokenizer, ep.tools.schemas)
         return parsed if parsed.calls or parsed.malformed else None  # no call: the model answered
 
     def _next_turn(self, c: Completion, ep: Episode, parsed: ParsedTurn, results: list[ToolResult]) -> str:
         """Extend the request with the tool replies: "continued", "ended" or "dropped"."""
-        text = ep.last_text
         ep.tool_calls += len(parsed.calls) + len(parsed.malformed)
         self.counts["tools/errors/malformed"] += len(parsed.malformed)
         for r in results:
@@ -198,7 +205,22 @@ class MultiTurnRolloutLoop(RolloutLoop):
             return "dropped"
         replies = [{"role": "tool", "name": r.name, "content": r.text} for r in results]
         replies += [{"role": "tool", "content": f"error: {m}"} for m in parsed.malformed]
-        messages = ep.messages + [{"role": "assistant", "content": text}]
+        return self._extend(c, ep, replies)
+
+    def _answer(self, c: Completion, ep: Episode, reply: str | None | Exception) -> str:
+        """Extend the request with the environment's reply to a plain turn, as the next user message."""
+        if isinstance(reply, Exception):  # like a raising tool of an environment: its state is unknown
+            self._drop(f"environment respond failed ({type(reply).__name__}: {reply})"[:300])
+            return "dropped"
+        if reply is None or ep.turns >= self.episode_cfg.max_turns:
+            return "ended"
+        shown = cut(reply, self.tool_cfg.max_result_chars)
+        self.counts["tools/truncated"] += shown != reply
+        return self._extend(c, ep, [{"role": "user", "content": shown}])
+
+    def _extend(self, c: Completion, ep: Episode, replies: list[dict]) -> str:
+        """Continue the request after ``replies`` (context tokens): "continued", or "ended" where they do not fit."""
+        messages = ep.messages + [{"role": "assistant", "content": ep.last_text}]
         renderer = ChatRenderer(self.tokenizer, ep.tools.schemas, self.system_prompt)
         delta = renderer.continuation(list(c.prompt_ids) + list(c.token_ids), messages, replies)
         if delta is None:
@@ -221,7 +243,7 @@ class MultiTurnRolloutLoop(RolloutLoop):
 
     def _no_batch(self) -> str:
         dropped = self.counts["dropped_episodes"]
-        why = f"; {dropped} episodes were dropped (an environment's reset or tool raised)" if dropped else ""
+        why = f"; {dropped} episodes were dropped (an environment's reset, respond or tool raised)" if dropped else ""
         return super()._no_batch() + why
 
     def _drop(self, why: str) -> None:
@@ -240,7 +262,8 @@ class MultiTurnRolloutLoop(RolloutLoop):
         if self.environment_factory is not None:
             columns["environments"] = [ep.environment for _, ep in ended]
         prompts = [self.in_engine[rid].prompt_text for rid, _ in ended]
-        scored = self.scorer.score(prompts, [ep.last_text for _, ep in ended], columns)
+        scored = self.scorer.score(prompts, [ep.last_text for _, ep in ended], columns,
+                                   [ep.last_ids for _, ep in ended])
         for (rid, ep), (reward, parts) in zip(ended, scored, strict=True):
             self.in_engine[rid].landed.append((ep, reward))
             self._record(len(ep.tokens), ep.finish_reason, reward, parts)

@@ -140,11 +140,16 @@ class ToolBox:
             slots[i] = self._result(call.name, text, error, time.perf_counter() - t0)
 
     def _result(self, name: str, text: str, error: str | None, seconds: float = 0.0) -> ToolResult:
-        limit = self.cfg.max_result_chars
-        if len(text) <= limit:
-            return ToolResult(name, text, error, seconds)
-        note = f"... [cut: {len(text)} characters, the first {limit} shown]"
-        return ToolResult(name, text[:max(limit - len(note), 0)] + note, error, seconds, truncated=True)
+        shown = cut(text, self.cfg.max_result_chars)
+        return ToolResult(name, shown, error, seconds, truncated=shown != text)
+
+
+def cut(text: str, limit: int) -> str:
+    """``text``, or where it is longer than ``limit`` characters its start with a note saying so (``limit`` long)."""
+    if len(text) <= limit:
+        return text
+    note = f"... [cut: {len(text)} characters, the first {limit} shown]"
+    return text[:max(limit - len(note), 0)] + note
 
 
 async def _awaited(awaitable):

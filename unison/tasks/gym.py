@@ -36,16 +36,23 @@ def gym_task(cfg: DataConfig) -> Task:
     if cfg.source not in reasoning_gym.factory.DATASETS:
         raise InvalidInputError(f"data.source={cfg.source!r} is neither a file nor a reasoning-gym task; tasks "
                          f"with presets: {sorted(PRESETS)}")
-    if cfg.size < 1:
-        raise ValueError(f"data.size must be >= 1, got {cfg.size}")
-    options = {**PRESETS.get(cfg.source, {}), **cfg.gym}
-    try:
-        dataset = reasoning_gym.create_dataset(cfg.source, size=cfg.size, seed=cfg.seed, **options)
-    except TypeError as e:  # an unknown config field
-        raise ValueError(f"data.gym for {cfg.source}: {e}") from None
+    dataset = gym_dataset(cfg.source, cfg)
     rows = [gym_row(entry) for entry in dataset]
     fns = [(ExactAnswerReward(GymScore(dataset)), 1.0), (FormatReward(), 0.2), (ClosenessReward(), 0.3)]
     return Task(cfg.source, rows, fns, cfg.system_prompt)
+
+
+def gym_dataset(name: str, cfg: DataConfig):
+    """``reasoning_gym.create_dataset(name, ...)`` of ``cfg.size`` entries over unison's preset and ``cfg.gym``."""
+    import reasoning_gym
+
+    if cfg.size < 1:
+        raise ValueError(f"data.size must be >= 1, got {cfg.size}")
+    options = {**PRESETS.get(name, {}), **cfg.gym}
+    try:
+        return reasoning_gym.create_dataset(name, size=cfg.size, seed=cfg.seed, **options)
+    except TypeError as e:  # an unknown config field
+        raise ValueError(f"data.gym for {name}: {e}") from None
 
 
 def gym_row(entry: dict, answer_format: str = ANSWER_FORMAT) -> dict:

@@ -64,7 +64,8 @@ class Task:
     tools: list[Callable] = field(default_factory=list)
     """Plain tool functions for multi-turn episodes (``unison.episodes``); empty with no environment: single-turn."""
     environment_factory: Callable[[], object] | None = None
-    """Makes one environment per episode (TRL's shape: ``reset(**row)``, public methods the tools)."""
+    """Makes one environment per episode (TRL's shape: ``reset(**row)``, public methods the tools; a
+    ``respond(text)`` method answers the model's turns without tool calls)."""
 
     @property
     def multi_turn(self) -> bool:

@@ -81,9 +81,9 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(
         group_size=8, samples_per_step=32, max_concurrent_rollouts=64, max_new_tokens=64))
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_blocks=0, block_size=16))
+    """The generation engine; with num_blocks 0 its KV pool is sized from the rollout settings (see memory)."""
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)
-    """Multi-turn episodes (tasks with tools or an environment, e.g. data.source=guess_number)."""
-    """num_blocks 0: sized from the rollout settings (see memory)."""
+    """Multi-turn episodes (tasks with tools or an environment, e.g. data.source=sum_feedback or guess_number)."""
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5))
     step: StepConfig = field(default_factory=StepConfig)
