@@ -37,6 +37,10 @@ SHAPES = {
                      num_key_value_heads=8, head_dim=128, vocab_size=151936),
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936),
 }
 
 # (shape, concurrency, prompt tokens, new tokens, run transformers' engine too)
@@ -49,7 +53,8 @@ SUITES = {
 
 
 def build(shape: str, device: str, dtype: torch.dtype, attn: str) -> torch.nn.Module:
-    cfg = Qwen3Config(**SHAPES[shape], max_position_embeddings=40960, tie_word_embeddings=shape != "qwen3-8b")
+    untied = ("qwen3-8b", "qwen3-14b", "qwen3-32b")  # as the released checkpoints
+    cfg = Qwen3Config(**SHAPES[shape], max_position_embeddings=40960, tie_word_embeddings=shape not in untied)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype)

@@ -42,8 +42,14 @@ def scored_samples(done: list, rewards: list[float]) -> list[Sample]:
     return samples
 
 
-def grpo_steps(shape: str, placement: str, lend: bool, steps: int, checkpointing: bool, row_tokens: int) -> dict:
+def grpo_steps(shape: str, placement: str, lend: bool, steps: int, checkpointing: bool, row_tokens: int,
+               lora_r: int = 0) -> dict:
+    """``lora_r`` > 0: LoRA adapters of that rank (alpha 2r) on every linear layer, trained alone (bench/lora.py)."""
     model = build(shape, "cuda", torch.bfloat16, "unison")
+    if lora_r:
+        from unison.lora import LoraConfig, apply_lora
+
+        apply_lora(model, LoraConfig(r=lora_r, alpha=2 * lora_r))
     opt = build_optimizer(model.named_parameters(), OptimConfig(lr=1e-6, placement=placement), total_steps=steps)
     blocks = kv_blocks_for(PROMPTS * GROUP, PROMPT_TOKENS, NEW_TOKENS, 16)
     engine = Engine(model, EngineConfig(num_blocks=blocks, block_size=16, max_num_seqs=PROMPTS * GROUP,
@@ -79,6 +85,7 @@ def grpo_steps(shape: str, placement: str, lend: bool, steps: int, checkpointing
               f"{t2 - t1:.2f}), peak {peaks[-1]:.1f} GiB (device {device_peaks[-1]:.1f}), "
               f"changed {metrics['optim/changed_frac']:.2e}", flush=True)
     result = {"shape": shape, "placement": placement, "lend_kv": lend, "activation_checkpointing": checkpointing,
+              "lora_r": lora_r, "trainable_b": sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e9,
               "max_tokens_per_row": row_tokens, "params_b": sum(p.numel() for p in model.parameters()) / 1e9,
               "kv_pool_gib": engine.pool.nbytes / 2**30,
               "s_per_step": min(t for t, _, _ in times[1:]) if steps > 1 else times[0][0],

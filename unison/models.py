@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -37,6 +37,7 @@ from unison.config import InvalidInputError, MissingInputError
 from unison.dist.tensor_parallel import parallelize
 from unison.dist.topology import Topology
 from unison.engine.attention import ATTN_NAME
+from unison.lora import LoraConfig, apply_lora, load_adapter, shard_adapters
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ class ModelConfig:
     chat_template: str = ""
     """A Jinja chat template, or the path of a file holding one, used instead of the tokenizer's. Empty: the
     tokenizer's own; where it has none, its family's (ChatML, Gemma, Llama 3, GLM-4) when its tokens say which."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (``lora.r > 0``): train them alone on the frozen base, through PEFT (``unison.lora``)."""
 
 
 def cache_dir() -> Path:
@@ -95,13 +98,16 @@ def model_dtype(dtype: str, device: str) -> str:
 
 
 def load_policy(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = "auto",
-                device: str | torch.device = "cpu", topology: Topology | None = None, chat_template: str = ""
-                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+                device: str | torch.device = "cpu", topology: Topology | None = None, chat_template: str = "",
+                lora: LoraConfig | None = None, adapter: str = "") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Return ``(model, tokenizer)``, the model on ``attn_implementation="unison"``, in eval mode.
 
     ``dtype="auto"`` keeps the checkpoint's dtype (float32 for the converted GGUF models). A ``topology`` with
     tensor parallelism shards the model across its tp ranks by the model's tensor-parallel plan
-    (``unison.dist.tensor_parallel.parallelize``). ``chat_template``: ``ModelConfig.chat_template``.
+    (``unison.dist.tensor_parallel.parallelize``). ``chat_template``: ``ModelConfig.chat_template``. ``lora`` (enabled)
+    wraps the model's target layers with LoRA adapters (``unison.lora``; under tensor parallelism sharded like their
+    base, ``unison.lora.shard_adapters``), loaded from the checkpoint folder ``adapter`` where one is named (a resumed
+    LoRA run).
 
     >>> model, tok = load_policy()                       # doctest: +SKIP
     >>> stop_token_ids(tok, model)                        # doctest: +SKIP
@@ -111,8 +117,16 @@ def load_policy(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = "a
     kwargs = {"local_files_only": local_only}
     tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTN_NAME, **kwargs)
-    if topology is not None and topology.tp is not None:
+    tp = topology is not None and topology.tp is not None
+    lora = lora if lora is not None and lora.enabled else None
+    if lora is not None:  # on the whole layers: PEFT sizes an adapter by its base's local shard once that is sharded
+        apply_lora(model, lora)
+    if tp:
         parallelize(model.to(device), topology.tp_mesh)
+        if lora is not None:
+            shard_adapters(model, topology.tp_mesh)
+    if lora is not None and adapter:
+        load_adapter(model, adapter)
     model.to(device).eval()
     if chat_template:
         tokenizer.chat_template = _read_template(chat_template)

@@ -42,6 +42,7 @@ import torch
 
 from .config import ConfigError
 from .engine import Completion, Engine, EngineConfig, SamplingParams
+from .lora import synced_params
 from .models import ModelConfig, load_policy, model_device, model_dtype
 from .parity import check_parity
 from .serve_request import RequestError, parse_completion_request, to_json
@@ -355,10 +356,10 @@ def serve(cfg: ServeConfig) -> None:
     device = model_device(cfg.model.device)
     dtype = model_dtype(cfg.model.dtype, device)
     model, tokenizer = load_policy(cfg.model.name_or_path, dtype=getattr(torch, dtype), device=device,
-                                   chat_template=cfg.model.chat_template)
+                                   chat_template=cfg.model.chat_template, lora=cfg.model.lora)
     check_parity(model, cfg.engine)  # refuses a model the engine would decode differently from its own forward
     engine = Engine(model, cfg.engine, tokenizer=tokenizer)  # the tokenizer finds stop strings
-    receiver = Receiver(dict(model.named_parameters()), version=0 if cfg.synced else -1)
+    receiver = Receiver(synced_params(model), version=0 if cfg.synced else -1)  # with LoRA: the adapters alone
     server = GenerationServer(engine, receiver, build_source(cfg.sync, receiver, engine.device))
     server.start()
     http = make_http_server(server, cfg.host, cfg.port, token=token, max_n=cfg.max_n,

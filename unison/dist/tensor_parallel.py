@@ -55,7 +55,8 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
     """Shard ``model`` in place over the 1-D ``mesh`` by the transformers plan of its family (``colwise`` and
     ``rowwise`` projections as torch's ``ColwiseParallel``/``RowwiseParallel``; see the module docstring for what
     stays replicated). Nothing is hung on the model: the sharded projections are the ``nn.Linear`` modules whose
-    weight is a DTensor (``LocalForward`` finds them by their placement)."""
+    weight is a DTensor (``LocalForward`` finds them by their placement). A LoRA layer's base is sharded in its place
+    (its adapters by ``unison.lora.shard_adapters``)."""
     base = _base_plan(model)
     if not base:
         raise ValueError(f"{model.config.model_type}: transformers has no tensor-parallel plan for this model")
@@ -67,6 +68,8 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
     for name, module in model.named_modules():
         for pattern, style in base.items():
             if style in styles and fnmatch.fnmatch(name, f"model.{pattern}"):
+                if hasattr(module, "get_base_layer"):  # a LoRA layer (unison.lora): its base, at .base_layer
+                    name, module = f"{name}.base_layer", module.base_layer
                 if not isinstance(module, torch.nn.Linear):
                     raise ValueError(f"{name}: tensor parallelism shards nn.Linear projections, not "
                                      f"{type(module).__name__}")
@@ -288,9 +291,11 @@ class BroadcastScorer(WrappedScorer):
         return result[0]
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor of ``model`` whole, on every rank (a collective: all ranks call it)."""
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+def full_state_dict(model: torch.nn.Module, keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model`` whole (those whose name ``keep`` accepts), on every rank (a collective: all ranks
+    call it, with the same ``keep``)."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()
+            if keep is None or keep(k)}
 
 
 def replicated_agree(model: torch.nn.Module, tp: Ranks) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from ..dist.tensor_parallel import local_forward
 from ..dist.topology import Topology
+from ..lora import MergedAdapters, engine_merges, is_lora
 from . import mla
 from .attention import ATTN_NAME, NO_MASK
 from .backend import AttentionBackend, PagedBatch, StepLayout, TorchPagedBackend
@@ -66,6 +67,11 @@ class Engine:
         kv_heads //= tp
         # ... and its forwards run on the local shards with explicit all-reduces, not through DTensor dispatch.
         self.local_forward = local_forward(model, topology)
+        # A LoRA policy's adapters: PEFT's unmerged layers, or merged copies of the adapted weights for the engine.
+        self.lora_merged = MergedAdapters(model) if is_lora(model) and engine_merges(
+            config.lora_weights, model, self.device, tensor_parallel=tp > 1) else None
+        if self.lora_merged is not None:
+            self.local_forward = _with_merged(self.local_forward, self.lora_merged)
         # One block more than the allocator hands out: the scratch block that padded graph rows write into.
         self.pool = KVPool(config.num_blocks + 1, config.block_size, kv_widths(text, tp, config.mla_cache),
                            self.dtype, self.device)
@@ -260,6 +266,8 @@ class Engine:
         here on carry it, and prompt KV cached under the old weights is dropped (running requests keep theirs, or
         recompute it under ``inflight_policy="recompute"``)."""
         self.version = version
+        if self.lora_merged is not None:
+            self.lora_merged.refresh()
         self.allocator.clear_cache()
         if self.config.inflight_policy == "recompute":
             self.scheduler.preempt_all()
@@ -401,3 +409,16 @@ def _eos_ids(model: torch.nn.Module) -> list[int]:
             if t not in ids:
                 ids.append(int(t))
     return ids
+
+
+class _with_merged:
+    """The engine's forward context (``local``'s) with a LoRA policy's merged weights switched in."""
+
+    def __init__(self, local, merged: MergedAdapters):
+        self.local, self.merged = local, merged
+        self.heartbeat = getattr(local, "heartbeat", None)
+
+    @contextmanager
+    def __call__(self, train: bool = False) -> Iterator[int]:
+        with self.local(train=train) as value, self.merged.active():
+            yield value

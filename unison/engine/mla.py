@@ -98,13 +98,26 @@ def attend_absorbed(batch, module: torch.nn.Module, q: torch.Tensor, scale: floa
 
 
 def _up_projections(module: torch.nn.Module, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kv_b_proj``'s weight as (H, qk_nope, R) key and (H, Dv, R) value up-projections of this rank's heads."""
-    weight = module.kv_b_proj.weight
+    """``kv_b_proj``'s weight as (H, qk_nope, R) key and (H, Dv, R) value up-projections of this rank's heads (with
+    LoRA adapters on it, their product added: the absorbed form needs the one matrix)."""
+    weight = _effective_weight(module.kv_b_proj)
     if hasattr(weight, "to_local"):  # a tensor-parallel shard: this rank's heads
         weight = weight.to_local()
     nope = module.qk_nope_head_dim
     w = weight.view(heads, nope + module.v_head_dim, module.kv_lora_rank)
     return w[:, :nope], w[:, nope:]
+
+
+def _effective_weight(proj: torch.nn.Module) -> torch.Tensor:
+    """A linear layer's weight; for a PEFT LoRA layer with its adapters on, ``W + scaling * B @ A`` (in fp32)."""
+    if not hasattr(proj, "lora_A"):
+        return proj.weight
+    weight = proj.get_base_layer().weight
+    active = [a for a in proj.active_adapters if a in proj.lora_A]
+    if proj.disable_adapters or proj.merged or not active:
+        return weight
+    delta = sum(proj.lora_B[a].weight.float() @ proj.lora_A[a].weight.float() * proj.scaling[a] for a in active)
+    return (weight.float() + delta).to(weight.dtype)
 
 
 def _absorbed(attend, state, k_pool, v_pool, q, w_uk, w_uv, scale, layers) -> torch.Tensor:

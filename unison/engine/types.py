@@ -35,6 +35,12 @@ class EngineConfig:
     """Multi-head latent attention (DeepSeek-V2/V3 families): cache each token's compressed latent and attend with
     the up-projections absorbed (latent), or cache the per-head keys and values the attention function receives
     (expanded: heads * (qk_nope + qk_rope + v_head_dim) per token instead of kv_lora_rank + qk_rope_head_dim)."""
+    lora_weights: Literal["auto", "unmerged", "merged"] = "auto"
+    """A LoRA policy's adapters in the engine: run through PEFT's layers (unmerged: base + s B A x from the adapters'
+    own tensors, no copy), or from a copy of each adapted weight, W + s B A, recomputed from the adapters at every
+    weight update (merged: the base model's decode kernels, one more copy of the adapted weights). auto: merged on a
+    GPU where the copy takes at most a quarter of its memory (on one H200 unmerged decode took 35-67% longer than the
+    base model, merged 1-10%: bench/results/h200/lora), else unmerged (the CPU, tensor parallelism, a 32B model)."""
     cuda_graphs: bool = True
     """With the Triton backend, run decode-only steps through CUDA graphs (captured per batch size on first use;
     on the CPU the same static-buffer path runs eagerly)."""

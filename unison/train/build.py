@@ -17,6 +17,7 @@ from ..dist.tensor_parallel import BroadcastScorer
 from ..dist.topology import Topology, init_topology
 from ..engine import Engine, EngineConfig
 from ..episodes.loop import MultiTurnRolloutLoop
+from ..lora import synced_params
 from ..metrics import MetricsWriter, NullMetricsWriter
 from ..models import load_policy, model_device, model_dtype, stop_token_ids
 from ..parity import check_parity
@@ -77,8 +78,12 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
     torch.manual_seed(cfg.seed)  # the same initial state everywhere
     device = str(topology.device)
     dtype = model_dtype(cfg.model.dtype, device)
-    model, tokenizer = load_policy(cfg.resume or cfg.model.name_or_path, dtype=getattr(torch, dtype), device=device,
-                                   topology=topology, chat_template=cfg.model.chat_template)
+    lora = cfg.model.lora
+    # A resumed LoRA run loads its base as the run started and the adapters from the checkpoint.
+    model, tokenizer = load_policy(cfg.model.name_or_path if lora.enabled else cfg.resume or cfg.model.name_or_path,
+                                   dtype=getattr(torch, dtype), device=device, topology=topology,
+                                   chat_template=cfg.model.chat_template, lora=lora,
+                                   adapter=cfg.resume if lora.enabled else "")
     check_packed_attention(model)
     check_parity(model, cfg.engine, topology)  # refuses a model unison computes differently from its own forward
     task = task or load_task(cfg.data)
@@ -91,7 +96,9 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
     longest_prompt = _longest_prompt(cfg, tokenizer, task)  # sizes the KV pool and the packed rows
     engine, publisher = _engine(cfg, model, tokenizer, topology, seed, longest_prompt)
     lend = publisher is None and cfg.memory.lends(engine.device)
-    plan, row_tokens = _memory_plan(cfg, model, engine.pool.nbytes if publisher is None else 0, lend, longest_prompt)
+    merged = engine.lora_merged.nbytes if publisher is None and engine.lora_merged is not None else 0
+    plan, row_tokens = _memory_plan(cfg, model, engine.pool.nbytes if publisher is None else 0, lend, longest_prompt,
+                                    merged)
     stop_ids = stop_token_ids(tokenizer, model)
     scorer = RewardScorer(task.reward_fns)
     scorer = BroadcastScorer(scorer, topology.tp) if topology.tp is not None else scorer
@@ -133,7 +140,7 @@ def _engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, topology: Topol
     trainer's."""
     if cfg.sync.mode != "colocated":
         remote = RemoteEngine(cfg.sync.servers, cfg.sync.timeout_s, token=resolve_token(cfg.sync.token))
-        return remote, WeightPublisher(cfg.sync, dict(model.named_parameters()))
+        return remote, WeightPublisher(cfg.sync, synced_params(model))  # with LoRA: the adapters alone
     # The run's seed drives sampling too, unless the engine section sets its own.
     engine_cfg: EngineConfig = cfg.engine if cfg.engine.seed is not None else dataclasses.replace(cfg.engine, seed=seed)
     if engine_cfg.num_blocks == 0:
@@ -143,15 +150,17 @@ def _engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, topology: Topol
     return Engine(model, engine_cfg, topology=topology, tokenizer=tokenizer), None  # the tokenizer: stop strings
 
 
-def _memory_plan(cfg: TrainConfig, model: torch.nn.Module, kv_bytes: int, lend: bool, longest_prompt: int
-                 ) -> tuple[MemoryPlan, int]:
+def _memory_plan(cfg: TrainConfig, model: torch.nn.Module, kv_bytes: int, lend: bool, longest_prompt: int,
+                 lora_merged_bytes: int = 0) -> tuple[MemoryPlan, int]:
     """The memory plan and the packed row length (``step.max_tokens_per_row``, or the longest the plan fits: at
     least the longest sampled prompt plus ``rollout.max_new_tokens``)."""
     longest_sample = longest_prompt + cfg.rollout.max_new_tokens
-    reference = "none" if cfg.loss.beta == 0 else "host" if cfg.optim.placement == "host" else "device"
+    reference = "none" if cfg.loss.beta == 0 else "adapters_off" if cfg.model.lora.enabled else \
+        "host" if cfg.optim.placement == "host" else "device"
     def plan_for(row_tokens: int) -> MemoryPlan:
         return plan_memory(model, kv_bytes, cfg.optim.placement == "gpu", lend, row_tokens, cfg.step.logprob_chunk,
-                           cfg.memory.activation_checkpointing, reference=reference)
+                           cfg.memory.activation_checkpointing, reference=reference,
+                           lora_merged_bytes=lora_merged_bytes)
 
     row_tokens = cfg.step.max_tokens_per_row or auto_row_tokens(plan_for, longest_sample)
     plan = plan_for(row_tokens)

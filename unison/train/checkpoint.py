@@ -36,15 +36,43 @@ def save_hf_checkpoint(model: Any, tokenizer: Any | None, path: str, state_dict:
     so ``path`` never holds half a checkpoint; an existing checkpoint there is replaced only once the new
     one is complete. Returns ``path``.
     """
+    return _write_atomically(path, lambda tmp: _write_hf(model, tokenizer, tmp, state_dict))
+
+
+def save_lora_checkpoint(model: Any, tokenizer: Any | None, path: str, lora: Any, base_model: str,
+                         state_dict: dict | None = None) -> str:
+    """Save a LoRA policy's adapters in PEFT's format (``PeftModel.from_pretrained(base, path)`` loads them; so does a
+    resumed unison run) and its tokenizer into ``path``, atomically; with ``lora.save_merged`` also the weights merged
+    into a plain HF folder, ``path/merged``. ``state_dict`` replaces the model's own (a tensor-parallel model's
+    weights, gathered whole). Returns ``path``."""
+    from unison.lora import merged_state_dict, save_adapter
+
+    def write(tmp: str) -> None:
+        save_adapter(model, lora, tmp, base_model, state_dict)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if lora.save_merged:
+            merged = os.path.join(tmp, "merged")
+            os.makedirs(merged)
+            _write_hf(model, tokenizer, merged, merged_state_dict(model, state_dict))
+    return _write_atomically(path, write)
+
+
+def _write_hf(model: Any, tokenizer: Any | None, folder: str, state_dict: dict | None) -> None:
+    model.save_pretrained(folder, state_dict=state_dict)
+    _drop_attn_implementation(os.path.join(folder, "config.json"))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
+def _write_atomically(path: str, write) -> str:
+    """``write(tmp)`` into a temporary sibling directory of ``path``, renamed to ``path`` once complete."""
     path = os.path.abspath(path)
     parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)  # same filesystem: rename is atomic
     try:
-        model.save_pretrained(tmp, state_dict=state_dict)
-        _drop_attn_implementation(os.path.join(tmp, "config.json"))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        write(tmp)
         _permit_as_umask(tmp)
         _replace_dir(tmp, path)
     except BaseException:

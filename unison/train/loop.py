@@ -16,7 +16,7 @@ from ..dist.runtime import check_replicas_agree, reduce_metrics
 from ..dist.tensor_parallel import check_ranks_agree, full_state_dict, replicated_agree
 from ..tasks import Task
 from .build import Run, build_run
-from .checkpoint import prune_checkpoints, save_hf_checkpoint, save_trainer_state
+from .checkpoint import prune_checkpoints, save_hf_checkpoint, save_lora_checkpoint, save_trainer_state
 from .config import TrainConfig
 from .memory import explain_oom
 from .step import train_step
@@ -118,8 +118,13 @@ def _save(run: Run, path: str, step: int) -> None:
     rank's trainer state beside it, for ``resume``; the run's ``record`` says what run saved it."""
     t0 = time.perf_counter()
     topology = run.topology
-    state = full_state_dict(run.model) if topology.tp is not None else None  # a collective: every tp rank gathers
-    if topology.is_main:
+    lora = run.cfg.model.lora
+    adapters_only = (lambda name: ".lora_" in name) if lora.enabled and not lora.save_merged else None
+    # A collective: every tp rank gathers (a LoRA run's adapters alone, unless it saves merged weights too).
+    state = full_state_dict(run.model, adapters_only) if topology.tp is not None else None
+    if topology.is_main and lora.enabled:  # the adapters in PEFT's format (and, on request, merged weights)
+        save_lora_checkpoint(run.model, run.tokenizer, path, lora, run.cfg.model.name_or_path, state)
+    elif topology.is_main:
         save_hf_checkpoint(run.model, run.tokenizer, path, state)
     if topology.scaled_out:
         dist.barrier()  # the directory exists before the other ranks write into it

@@ -72,8 +72,10 @@ def kv_blocks_for(max_concurrent: int, prompt_tokens: int, max_new_tokens: int, 
 
 def plan_memory(model: torch.nn.Module, kv_pool_bytes: int, optimizer_on_gpu: bool, lend_kv: bool,
                 max_tokens_per_row: int, logprob_chunk: int, activation_checkpointing: bool,
-                reference: Literal["none", "device", "host"] = "none") -> MemoryPlan:
-    """``reference``: where the KL term's frozen copy of the weights lives (``unison.train.reference``)."""
+                reference: Literal["none", "device", "host", "adapters_off"] = "none", lora_merged_bytes: int = 0
+                ) -> MemoryPlan:
+    """``reference``: where the KL term's frozen copy of the weights lives (``unison.train.reference``; a LoRA
+    policy's is its base, no copy). With LoRA adapters only they have gradients and optimizer state."""
     text = model.config.get_text_config()
     params = {id(p): p for p in model.parameters()}.values()
     weights = sum(local(p).numel() * p.element_size() for p in params)  # this process's shards
@@ -88,14 +90,18 @@ def plan_memory(model: torch.nn.Module, kv_pool_bytes: int, optimizer_on_gpu: bo
                                         + (per_token_layer if activation_checkpointing else 0))
     gib = 2**30
     rows = [("weights (live)", weights / gib, "shared by the engine and the trainer"),
-            ("gradients", trainable * elt / gib, ""),
+            ("gradients", trainable * elt / gib, "the LoRA adapters' alone" if trainable < weights / elt else ""),
             ("optimizer (fp32 state)", (12 * trainable if optimizer_on_gpu else 0) / gib,
              "" if optimizer_on_gpu else f"{12 * trainable / gib:.2f} GiB in pinned host memory"),
             ("KV pool", kv_pool_bytes / gib, "lent to the training step" if lend_kv else ""),
             ("activations (estimate)", (max(activations - kv_pool_bytes, 0) if lend_kv else activations) / gib,
              "beyond the lent KV pool" if lend_kv else ""),
             ("logits chunk", 3 * logprob_chunk * text.vocab_size * 4 / gib, "fp32 logits, softmax, grad")]
-    if reference != "none":
+    if lora_merged_bytes:
+        rows.append(("LoRA merged weights", lora_merged_bytes / 2**30, "the engine's W + s B A (engine.lora_weights)"))
+    if reference == "adapters_off":
+        rows.append(("reference model", 0.0, "the base: the adapters switched off (loss.beta > 0)"))
+    elif reference != "none":
         rows.append(_reference_row(model, weights, reference == "host"))
     device_gib = None
     device = next(iter(params)).device

@@ -6,7 +6,8 @@ modules in place of its parameters and swapped back after (the engine is not ste
 thread). On the device the copy costs the weights' size again. With ``on_host`` (runs that keep the optimizer state
 in host memory) it stays in pinned host memory and each decoder layer's tensors are copied to the device just before
 that layer runs and dropped after it, so the device holds one layer of it at a time, plus the layers outside the
-decoder stack (embeddings, final norm, lm_head).
+decoder stack (embeddings, final norm, lm_head). A LoRA policy's reference is its base, the same modules with the
+adapters switched off (``AdaptersOffReference``): no copy at all.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..lora import adapters_disabled, is_lora
 from .logprobs import policy_logprobs
 from .packing import PackedRow
 
@@ -84,12 +86,31 @@ class ReferenceModel:
         return hook
 
 
+class AdaptersOffReference:
+    """The reference of a LoRA policy: its base alone, the adapters switched off for the forward. ``lora_B`` starts
+    at zero, so this is exactly the initial policy, also after a resume."""
+
+    nbytes = 0
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    @torch.no_grad()
+    def logprobs(self, row: PackedRow, temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
+        with adapters_disabled(self.model):
+            logp, _ = policy_logprobs(self.model, row, temperature=temperature, chunk_size=chunk_size)
+        return logp
+
+
 def build_reference(model: torch.nn.Module, beta: float, on_host: bool, tensor_parallel: bool,
-                    initial: Callable[[], torch.nn.Module] | None = None) -> ReferenceModel | None:
+                    initial: Callable[[], torch.nn.Module] | None = None
+                    ) -> ReferenceModel | AdaptersOffReference | None:
     """The run's reference (None when ``beta`` is 0): of ``model`` as it is, or of ``initial()``'s model (a resumed
-    run's reference is its initial policy, not the checkpoint's weights)."""
+    run's reference is its initial policy, not the checkpoint's weights); a LoRA policy's base."""
     if beta == 0:
         return None
+    if is_lora(model):
+        return AdaptersOffReference(model)
     if tensor_parallel:
         raise ValueError("loss.beta > 0 (a reference model) is not supported with dist.tp > 1 yet: set loss.beta=0 "
                          "or train without tensor parallelism")

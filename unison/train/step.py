@@ -12,6 +12,7 @@ import torch
 from ..dist.data_parallel import all_reduce_grads, global_sum
 from ..dist.tensor_parallel import local_forward
 from ..dist.topology import Topology
+from ..lora import dropout_active
 from ..rollout.advantage import batch_scaled
 from ..rollout.sample import Sample
 from .logprobs import policy_logprobs
@@ -57,14 +58,16 @@ def train_step(model: torch.nn.Module, optimizer: MasterAdamW, samples: list[Sam
     local_tokens = sum(s.num_loss_tokens for s in trained)
     num_loss_tokens = int(step_sum(local_tokens))
     num_sequences = int(step_sum(len(samples)))  # truncated ones masked out still count, as in TRL
-    refs = [reference.logprobs(row.to(device), temperature or 1.0, logprob_chunk) if reference is not None else None
-            for row in rows]
+    with local_forward(model, topology)():  # a LoRA policy's base, under tensor parallelism on its local shards
+        refs = [reference.logprobs(row.to(device), temperature or 1.0, logprob_chunk) if reference is not None
+                else None for row in rows]
     olds: list[torch.Tensor | None] = [None] * len(rows)
     acc = MetricAccumulator()
     total_loss = 0.0
     for iteration in range(num_iterations):
         # Under tensor parallelism: the local shards with explicit collectives (unison.dist.tensor_parallel).
-        with checkpointed_layers(model, activation_checkpointing), local_forward(model, topology)(train=True):
+        with checkpointed_layers(model, activation_checkpointing), local_forward(model, topology)(train=True), \
+                dropout_active(model):
             for i, row in enumerate(rows):
                 row = row.to(device)
                 logprobs, entropy = policy_logprobs(model, row, temperature=temperature or 1.0,
