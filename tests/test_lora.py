@@ -179,9 +179,24 @@ def test_bad_lora_settings_are_refused():
         apply_lora(tiny_llama(), LoraConfig(r=4, target_modules=["embed_tokens"]))
 
 
+def check_saved_lora(model_dir: str, ckpt) -> dict[str, torch.Size]:
+    """PEFT loads a run's saved adapters onto the base, which they changed; its merged folder is the same policy in
+    plain transformers. Returns the loaded adapters' shapes (PEFT's names, without the prefix)."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    policy = peft.PeftModel.from_pretrained(base, str(ckpt)).eval()
+    merged = AutoModelForCausalLM.from_pretrained(str(ckpt / "merged"), attn_implementation="eager").eval()
+    prompt, tokens = random_prompts([6])[0], random_prompts([8], seed=3)[0]
+    trained = teacher_forced_logprobs(policy, prompt, tokens)
+    assert (trained - teacher_forced_logprobs(merged, prompt, tokens)).abs().max() < 1e-4
+    with policy.disable_adapter():
+        assert (trained - teacher_forced_logprobs(policy, prompt, tokens)).abs().max() > 1e-4  # it trained
+    return {n.removeprefix("base_model.model."): p.shape for n, p in policy.named_parameters() if ".lora_" in n}
+
+
 def test_unison_train_with_lora_saves_peft_adapters_and_resumes(model_dir, tmp_path):
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     from unison.train.loop import train
 
@@ -194,15 +209,7 @@ def test_unison_train_with_lora_saves_peft_adapters_and_resumes(model_dir, tmp_p
     assert config["r"] == 4 and config["base_model_name_or_path"] == model_dir
     assert all(k.startswith("base_model.model.") and ".lora_" in k
                for k in load_file(str(ckpt / "adapter_model.safetensors")))
-    # PEFT loads the adapters onto the base; the merged folder is the same policy in plain transformers.
-    base = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
-    policy = peft.PeftModel.from_pretrained(base, str(ckpt)).eval()
-    merged = AutoModelForCausalLM.from_pretrained(str(ckpt / "merged"), attn_implementation="eager").eval()
-    prompt, tokens = random_prompts([6])[0], random_prompts([8], seed=3)[0]
-    trained = teacher_forced_logprobs(policy, prompt, tokens)
-    assert (trained - teacher_forced_logprobs(merged, prompt, tokens)).abs().max() < 1e-4
-    with policy.disable_adapter():
-        assert (trained - teacher_forced_logprobs(policy, prompt, tokens)).abs().max() > 1e-4  # it trained
+    check_saved_lora(model_dir, ckpt)
     # A resumed run loads the adapters (and their optimizer state) and goes on.
     train(run_cfg(model_dir, tmp_path / "resumed", *lora, "--max_steps=4", f"--resume={ckpt}"), task())
     resumed = load_file(str(tmp_path / "resumed" / "checkpoint" / "adapter_model.safetensors"))

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import test_tensor_parallel
 import torch
-from conftest import random_prompts, teacher_forced_logprobs
 from peers.tp_lora_peer import LORA
 from peers.tp_peer import OPTIM, STEPS, run
-from test_tensor_parallel import PEERS, free_port, torchrun_train
+from test_lora import check_saved_lora
+from test_tensor_parallel import run_two_ranks, torchrun_train
 
 from unison.config import ConfigError
 from unison.lora import LoraConfig, save_adapter, shard_adapters
@@ -41,16 +39,7 @@ def saved_adapters(model_dir: str, folder) -> str:
 
 def test_lora_on_two_ranks_equals_one_process(qwen3_dir, tmp_path):
     adapters = saved_adapters(qwen3_dir, tmp_path / "adapters")
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, os.path.join(PEERS, "tp_lora_peer.py"), qwen3_dir, adapters,
-                               str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
-             for r in range(2)]
-    for p in procs:
-        out, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, out[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = run_two_ranks("tp_lora_peer.py", qwen3_dir, adapters, out=tmp_path)
 
     model, _ = load_policy(qwen3_dir, dtype=torch.float32, lora=LORA, adapter=adapters)  # one process, whole
     start = {k: v.clone() for k, v in model.state_dict().items()}
@@ -85,7 +74,6 @@ def test_lora_on_two_ranks_equals_one_process(qwen3_dir, tmp_path):
 
 def test_torchrun_train_lora_with_tensor_parallelism_saves_peft_adapters_and_resumes(qwen3_dir, tmp_path):
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     lora = ["--dist.tp=2", "--model.lora.r=4", "--model.lora.alpha=8", "--optim.lr=1e-2", "--loss.beta=0.1"]
     out = tmp_path / "run"
@@ -94,18 +82,8 @@ def test_torchrun_train_lora_with_tensor_parallelism_saves_peft_adapters_and_res
     assert [r["step"] for r in records] == [1] and records[0]["optim/changed_frac"] > 0
     ckpt = out / "checkpoint"
     # PEFT loads the adapters, whole, onto the unsharded base; the merged folder is the same policy.
-    base = AutoModelForCausalLM.from_pretrained(qwen3_dir, attn_implementation="eager")
-    policy = peft.PeftModel.from_pretrained(base, str(ckpt)).eval()
     reference = load_policy(qwen3_dir, dtype=torch.float32, lora=LORA)[0]
-    shapes = {n: p.shape for n, p in reference.named_parameters() if ".lora_" in n}
-    assert {n.removeprefix("base_model.model."): p.shape for n, p in policy.named_parameters() if ".lora_" in n} \
-        == shapes
-    merged = AutoModelForCausalLM.from_pretrained(str(ckpt / "merged"), attn_implementation="eager").eval()
-    prompt, tokens = random_prompts([6])[0], random_prompts([8], seed=3)[0]
-    trained = teacher_forced_logprobs(policy, prompt, tokens)
-    assert (trained - teacher_forced_logprobs(merged, prompt, tokens)).abs().max() < 1e-4
-    with policy.disable_adapter():
-        assert (trained - teacher_forced_logprobs(policy, prompt, tokens)).abs().max() > 1e-4  # it trained
+    assert check_saved_lora(qwen3_dir, ckpt) == {n: p.shape for n, p in reference.named_parameters() if ".lora_" in n}
     # A resumed run loads each rank's slices of the saved adapters (and its optimizer state) and goes on.
     resumed = tmp_path / "resumed"
     torchrun_train(qwen3_dir, resumed, *lora, "--max_steps=2", f"--resume={ckpt}")

@@ -46,17 +46,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_ranks_equal_one_process(qwen3_dir, tmp_path):
+def run_two_ranks(peer: str, *args: str, out) -> list[dict]:
+    """``peers/<peer>`` as ranks 0 and 1 of a gloo group; each saves ``out/rank<r>.pt``, returned in rank order."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, os.path.join(PEERS, "tp_peer.py"), qwen3_dir, str(tmp_path)],
+    procs = [subprocess.Popen([sys.executable, os.path.join(PEERS, peer), *args, str(out)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
              for r in range(2)]
     for p in procs:
-        out, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, out[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+        out_text, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out_text[-3000:]
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+def test_two_ranks_equal_one_process(qwen3_dir, tmp_path):
+    ranks = run_two_ranks("tp_peer.py", qwen3_dir, out=tmp_path)
 
     model, _ = load_policy(qwen3_dir, dtype=torch.float32)  # one process, the whole model
     start = {k: v.clone() for k, v in model.state_dict().items()}
