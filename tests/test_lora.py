@@ -249,3 +249,28 @@ def test_train_with_lora_through_a_served_process(model_dir, tmp_path):
     saved = load_file(str(out / "checkpoint" / "adapter_model.safetensors"))
     mine = {n.replace(".default.", "."): p for n, p in served.named_parameters() if "lora_" in n}
     assert all(checksum(mine[k.removeprefix("base_model.model.")]) == checksum(t) for k, t in saved.items())
+
+
+def test_train_from_an_existing_peft_adapter(model_dir, tmp_path):
+    """model.lora.adapter: a PEFT adapter saved by PEFT itself (another run's, an SFT's) is the start: its settings
+    and tensors, and the KL reference is the base with it (not the base alone)."""
+    from transformers import AutoModelForCausalLM
+
+    from unison.train.loop import train
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    torch.manual_seed(0)
+    sft = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in sft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    sft.save_pretrained(tmp_path / "sft")
+    cfg = run_cfg(model_dir, tmp_path / "run", f"--model.lora.adapter={tmp_path / 'sft'}", "--loss.beta=0.1",
+                  "--optim.lr=0", "--max_steps=1")
+    assert (cfg.model.lora.r, cfg.model.lora.alpha, cfg.model.lora.target_modules) == (2, 4.0, ["q_proj", "v_proj"])
+    last = train(cfg, task())
+    assert last["kl/ref_mean"] < 1e-6  # at lr 0 the policy is its reference: the base with the SFT adapter
+    assert last["mismatch/logprob_diff_mean"] < 1e-5  # and the engine decoded through that adapter
+    with pytest.raises(ConfigError, match="no readable PEFT adapter config"):
+        LoraConfig(adapter=str(tmp_path))

@@ -58,8 +58,14 @@ class LoraConfig:
     """Rank-stabilised LoRA: scale by alpha / sqrt(r)."""
     save_merged: bool = False
     """Also save each checkpoint's weights merged (base + adapters) as a plain HF folder, ``<checkpoint>/merged``."""
+    adapter: str = ""
+    """A PEFT adapter folder to start from (an SFT run's, a unison checkpoint): its r, lora_alpha, target_modules and
+    use_rslora replace the settings above and its tensors the initial adapters; the KL reference is then the base
+    with these adapters."""
 
     def __post_init__(self):
+        if self.adapter:
+            self._take_adapter_settings()
         if self.r < 0:
             raise ValueError(f"lora.r must be >= 0 (0: no adapters), got {self.r}")
         if not self.alpha > 0:
@@ -77,9 +83,27 @@ class LoraConfig:
             raise ValueError(f"lora.target_modules: {bad} is the output head, whose weight the engine and the chunked "
                              "logprobs read directly; adapt the decoder's linear layers instead")
 
+    def _take_adapter_settings(self) -> None:
+        path = os.path.join(self.adapter, ADAPTER_CONFIG)
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"model.lora.adapter={self.adapter}: no readable PEFT adapter config ({path}: "
+                              f"{e})") from e
+        if saved.get("peft_type", "LORA") != "LORA":
+            raise ConfigError(f"model.lora.adapter={self.adapter} is a {saved['peft_type']} adapter, not LoRA")
+        targets = saved.get("target_modules")
+        if not isinstance(targets, (str, list)) or not targets:
+            raise ConfigError(f"model.lora.adapter={self.adapter}: its target_modules {targets!r} are not a list of "
+                              "module names or 'all-linear'")
+        self.r, self.alpha = int(saved["r"]), float(saved["lora_alpha"])
+        self.target_modules = [targets] if isinstance(targets, str) else sorted(targets)
+        self.use_rslora = bool(saved.get("use_rslora", False))
+
     @property
     def enabled(self) -> bool:
-        return self.r > 0
+        return self.r > 0 or bool(self.adapter)
 
     @property
     def scaling(self) -> float:
@@ -314,29 +338,40 @@ def load_adapter(model: torch.nn.Module, folder: str) -> None:
     """Load the adapter tensors ``save_adapter`` wrote in ``folder`` into ``model``'s adapters, in place (their
     storage stays the one the engine reads). Every adapter tensor must be there, with its shape (the whole one: an
     adapter sharded for tensor parallelism takes this rank's slice of it)."""
-    from safetensors.torch import load_file
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    path = os.path.join(folder, ADAPTER_WEIGHTS)
-    if not os.path.exists(path):
-        raise ConfigError(f"{folder} holds no LoRA adapters ({ADAPTER_WEIGHTS}): it was not saved by a LoRA run")
-    saved = {k.removeprefix(_PEFT_PREFIX): v for k, v in load_file(path).items()}
     params = adapter_params(model)
-    mine = {_peft_key(name): p for name, p in params.items()}
-    if set(saved) != set(mine):
-        diff = sorted(set(saved) ^ set(mine))
-        raise ConfigError(f"{folder}: its adapters are not this run's model.lora ({len(diff)} tensors differ, e.g. "
-                          f"{diff[:2]}); resume with the settings it was saved with ({_saved_settings(folder)})")
+    saved = read_adapter(model, folder)
     with torch.no_grad():
-        for key, p in mine.items():
-            if saved[key].shape != p.shape:
-                raise ConfigError(f"{folder}: {key} has shape {tuple(saved[key].shape)}, this run's adapter "
-                                  f"{tuple(p.shape)} (another lora.r?)")
+        for name, p in params.items():
+            key = _peft_key(name)
             if isinstance(p, DTensor):  # this rank's slice, cut locally (src_data_rank=None: no collective)
                 whole = saved[key].to(p.device, p.dtype)
                 p.to_local().copy_(distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local())
             else:
                 p.copy_(saved[key])
+
+
+def read_adapter(model: torch.nn.Module, folder: str) -> dict[str, torch.Tensor]:
+    """The adapter tensors saved in ``folder`` (CPU, whole) under PEFT's names, checked against ``model``'s adapters:
+    the same tensors, the same (whole) shapes."""
+    from safetensors.torch import load_file
+
+    path = os.path.join(folder, ADAPTER_WEIGHTS)
+    if not os.path.exists(path):
+        raise ConfigError(f"{folder} holds no LoRA adapters ({ADAPTER_WEIGHTS}): it was not saved by a LoRA run")
+    saved = {k.removeprefix(_PEFT_PREFIX): v for k, v in load_file(path).items()}
+    mine = {_peft_key(name): p for name, p in adapter_params(model).items()}
+    if set(saved) != set(mine):
+        diff = sorted(set(saved) ^ set(mine))
+        raise ConfigError(f"{folder}: its adapters are not this run's model.lora ({len(diff)} tensors differ, e.g. "
+                          f"{diff[:2]}); use the settings it was saved with ({_saved_settings(folder)})")
+    for key, p in mine.items():
+        whole = p.shape  # a DTensor's shape is the whole one
+        if saved[key].shape != whole:
+            raise ConfigError(f"{folder}: {key} has shape {tuple(saved[key].shape)}, this run's adapter "
+                              f"{tuple(whole)} (another lora.r?)")
+    return saved
 
 
 def _peft_key(name: str) -> str:

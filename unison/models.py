@@ -125,8 +125,9 @@ def load_policy(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = "a
         parallelize(model.to(device), topology.tp_mesh)
         if lora is not None:
             shard_adapters(model, topology.tp_mesh)
-    if lora is not None and adapter:
-        load_adapter(model, adapter)
+    for folder in (lora.adapter if lora is not None else "", adapter):  # the start's adapters, then a resume's
+        if folder:
+            load_adapter(model, folder)
     model.to(device).eval()
     if chat_template:
         tokenizer.chat_template = _read_template(chat_template)

@@ -90,9 +90,10 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
     if cfg.rewards:  # the config's reward functions replace the task's
         task = dataclasses.replace(task, reward_fns=build_reward_fns(cfg.rewards, cfg.rollout.max_new_tokens))
     optimizer = build_optimizer(model, cfg.optim, cfg.max_steps * cfg.step.num_iterations, topology)
+    initial = (lambda: load_policy(cfg.model.name_or_path, dtype=getattr(torch, dtype), device=device)[0]) \
+        if cfg.resume else None
     reference = build_reference(model, cfg.loss.beta, cfg.optim.placement == "host", topology.tp is not None,
-                                initial=(lambda: load_policy(cfg.model.name_or_path, dtype=getattr(torch, dtype),
-                                                             device=device)[0]) if cfg.resume else None)
+                                initial=initial, adapter=cfg.model.lora.adapter)
     longest_prompt = _longest_prompt(cfg, tokenizer, task)  # sizes the KV pool and the packed rows
     engine, publisher = _engine(cfg, model, tokenizer, topology, seed, longest_prompt)
     lend = publisher is None and cfg.memory.lends(engine.device)

@@ -100,7 +100,7 @@ def plan_memory(model: torch.nn.Module, kv_pool_bytes: int, optimizer_on_gpu: bo
     if lora_merged_bytes:
         rows.append(("LoRA merged weights", lora_merged_bytes / 2**30, "the engine's W + s B A (engine.lora_weights)"))
     if reference == "adapters_off":
-        rows.append(("reference model", 0.0, "the base: the adapters switched off (loss.beta > 0)"))
+        rows.append(("reference model", 0.0, "the base, its adapters off or the initial ones (loss.beta > 0)"))
     elif reference != "none":
         rows.append(_reference_row(model, weights, reference == "host"))
     device_gib = None

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..lora import adapters_disabled, is_lora
+from ..lora import adapter_params, adapters_disabled, is_lora, read_adapter
 from .logprobs import policy_logprobs
 from .packing import PackedRow
 
@@ -102,13 +102,43 @@ class AdaptersOffReference:
         return logp
 
 
+class InitialAdaptersReference:
+    """The reference of a LoRA policy that started from saved adapters (``model.lora.adapter``): the base with those
+    adapters, a copy of the adapter tensors alone swapped in for the forward (also after a resume)."""
+
+    def __init__(self, model: torch.nn.Module, folder: str):
+        self.model = model
+        saved = read_adapter(model, folder)
+        self.tensors = {name: saved[name.replace(".default.", ".")].to(p.device, p.dtype)
+                        for name, p in adapter_params(model).items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @torch.no_grad()
+    def logprobs(self, row: PackedRow, temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
+        restore: list = []
+        try:
+            _swap(self.model, self.tensors, restore)
+            logp, _ = policy_logprobs(self.model, row, temperature=temperature, chunk_size=chunk_size)
+        finally:
+            _put_back(restore)
+        return logp
+
+
 def build_reference(model: torch.nn.Module, beta: float, on_host: bool, tensor_parallel: bool,
-                    initial: Callable[[], torch.nn.Module] | None = None
-                    ) -> ReferenceModel | AdaptersOffReference | None:
+                    initial: Callable[[], torch.nn.Module] | None = None, adapter: str = ""
+                    ) -> ReferenceModel | AdaptersOffReference | InitialAdaptersReference | None:
     """The run's reference (None when ``beta`` is 0): of ``model`` as it is, or of ``initial()``'s model (a resumed
-    run's reference is its initial policy, not the checkpoint's weights); a LoRA policy's base."""
+    run's reference is its initial policy, not the checkpoint's weights); a LoRA policy's base, with the adapters it
+    started from (``adapter``) where it did not start from zero."""
     if beta == 0:
         return None
+    if is_lora(model) and adapter:
+        if tensor_parallel:
+            raise ValueError("loss.beta > 0 with model.lora.adapter is not supported with dist.tp > 1 yet")
+        return InitialAdaptersReference(model, adapter)
     if is_lora(model):
         return AdaptersOffReference(model)
     if tensor_parallel:
