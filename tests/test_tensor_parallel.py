@@ -60,6 +60,17 @@ def run_two_ranks(peer: str, *args: str, out) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
+def assert_decodes_and_trains_as_one_process(rank: dict, single: dict) -> None:
+    """A rank's ``peers.tp_peer.run`` result against one process's: the same tokens before and after training;
+    logprobs and gradient norms up to fp32 summation order."""
+    assert rank["tokens"] == single["tokens"] and rank["tokens_after"] == single["tokens_after"]
+    for key in ("logprobs", "logprobs_after"):
+        diff = max(abs(a - b) for x, y in zip(rank[key], single[key], strict=True)
+                   for a, b in zip(x, y, strict=True))
+        assert diff < 1e-4, (key, diff)
+    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(rank["norms"], single["norms"], strict=True))
+
+
 def test_two_ranks_equal_one_process(qwen3_dir, tmp_path):
     ranks = run_two_ranks("tp_peer.py", qwen3_dir, out=tmp_path)
 
@@ -71,13 +82,7 @@ def test_two_ranks_equal_one_process(qwen3_dir, tmp_path):
         # for the block and back afterwards (the training forward needs them).
         assert r["local_forward"] == {"switched": 14, "hooks_inside": 0, "hooks_after": 1}
         assert r["training_switches"] == 14 * STEPS  # and so did every training step's forward and backward
-        # Same tokens before and after training; logprobs and norms up to fp32 summation order.
-        assert r["tokens"] == single["tokens"] and r["tokens_after"] == single["tokens_after"]
-        for key in ("logprobs", "logprobs_after"):
-            diff = max(abs(a - b) for x, y in zip(r[key], single[key], strict=True)
-                       for a, b in zip(x, y, strict=True))
-            assert diff < 1e-4, (key, diff)
-        assert all(abs(a - b) <= 1e-5 * b for a, b in zip(r["norms"], single["norms"], strict=True))
+        assert_decodes_and_trains_as_one_process(r, single)
         for name, value in model.state_dict().items():
             # Split matmuls sum in another order; AdamW turns that fp32 noise into up to a few % of one step (lr
             # 1e-3) on elements whose gradient is near zero. A wrong gradient moves elements by a whole step.
