@@ -67,6 +67,10 @@ def make_checkpoint(shape: str, path: str, dtype: torch.dtype, device: str | tor
 def build_shape(shape: str, device, dtype: torch.dtype) -> torch.nn.Module:
     """A Qwen3 shape of ``engine.py``, or ``moe:<shape>`` / ``dense:<shape>`` of ``moe_decode.py`` (a Qwen3-MoE
     shape, and the dense Qwen3 of the same active parameters)."""
+    if shape.startswith("hybrid:"):  # a Qwen3.5 shape of hybrid_decode.py (gated delta-nets and attention)
+        import hybrid_decode
+
+        return hybrid_decode.build(shape.split(":", 1)[1], device, dtype, "sdpa")
     if ":" in shape:
         import moe_decode
 
@@ -154,6 +158,8 @@ def run_unison(checkpoint: str, prompts: list[str], new: int, steps: int, out_di
     return {"s_per_step": mean("time/step_s"), "generate_s": mean("time/rollout_s"), "train_s": mean("time/train_s"),
             "completion_tokens_mean": completion, "trained_tokens": mean("train/tokens"),
             "peak_allocated_gib": max(r.get("memory/peak_gib", 0.0) for r in rows),
+            "mismatch_logprob_diff_mean": mean("mismatch/logprob_diff_mean"),
+            "mismatch_logprob_diff_max": max(r["mismatch/logprob_diff_max"] for r in rows),
             "step_s": [r["time/step_s"] for r in rows], "save_error": save_error}
 
 

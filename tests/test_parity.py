@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from conftest import tiny_llama, tiny_qwen3
 from test_head_transforms import COMMON, DoubledLogits, build
 from transformers import GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -75,11 +76,16 @@ def test_guard_refuses_an_attention_feature_unison_lacks():
     assert model.config._attn_implementation == "unison"  # given back after the reference forward
 
 
-def test_guard_refuses_mamba_layers():
-    # FalconH1's head is exact (tests/test_head_transforms.py) and its packed rows keep samples apart
-    # (tests/test_hybrid_packing.py), but its Mamba layers keep no per-request state in the engine yet.
-    with pytest.raises(ParityError, match="FalconH1ForCausalLM"):
-        check_parity(build("FalconH1"))
+def test_guard_refuses_sequence_layers_the_engine_does_not_know():
+    # Conv, gated delta-net and Mamba2 layers keep per-request state in the engine (tests/test_hybrid_engine.py);
+    # Jamba's Mamba1 mixer scans with functions the engine does not run per request: refused before any rollout.
+    config = transformers.JambaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
+                                      attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                                      num_experts=2, mamba_d_state=8, mamba_expand=2, use_mamba_kernels=False)
+    model = transformers.JambaForCausalLM._from_config(config, attn_implementation="unison")
+    with pytest.raises(ValueError, match="JambaMambaMixer .*mamba_selective_scan.* does not run per request"):
+        check_parity(model)
 
 
 def test_guard_refuses_an_unknown_head_transform():

@@ -49,15 +49,17 @@ class AttentionBackend(Protocol):
 class PagedBatch:
     """Engine metadata passed as ``model(..., paged=batch)``; the attention function calls ``attend``."""
 
-    def __init__(self, pool: KVPool, backend: AttentionBackend, slot_mapping: torch.Tensor, state: object):
+    def __init__(self, pool: KVPool, backend: AttentionBackend, slot_mapping: torch.Tensor, state: object,
+                 states=None):
         self.pool = pool
         self.backend = backend
         self.slot_mapping = slot_mapping
         self.state = state
+        self.states = states  # a hybrid model's per-request layer states this step (unison.engine.state.StepStates)
 
     @classmethod
-    def for_layout(cls, pool: KVPool, backend: AttentionBackend, layout: StepLayout) -> PagedBatch:
-        return cls(pool, backend, layout.slot_mapping, backend.prepare(layout))
+    def for_layout(cls, pool: KVPool, backend: AttentionBackend, layout: StepLayout, states=None) -> PagedBatch:
+        return cls(pool, backend, layout.slot_mapping, backend.prepare(layout), states)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                window: int | None, sinks: torch.Tensor | None = None,

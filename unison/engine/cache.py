@@ -59,7 +59,13 @@ def kv_widths(text_config, tp: int = 1, mla_cache: str = "latent") -> list[Layer
         key_dim = value_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     if kv_heads % tp:
         raise ValueError(f"{c.model_type}: {kv_heads} KV heads do not split across tensor-parallel size {tp}")
-    return [LayerKV(kv_heads // tp, key_dim, value_dim)] * c.num_hidden_layers
+    # Hybrid models: their linear-attention and conv layers keep a fixed-size state instead (unison.engine.state).
+    types = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
+    return [LayerKV(0 if kind in STATE_LAYER_TYPES else kv_heads // tp, key_dim, value_dim) for kind in types]
+
+
+# ``layer_types`` of layers without attention (Qwen3-Next / Qwen3.5 gated delta-nets, Lfm2 short convs).
+STATE_LAYER_TYPES = ("linear_attention", "conv", "mamba")
 
 
 class KVPool:

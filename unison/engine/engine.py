@@ -23,7 +23,7 @@ import torch
 from ..dist.tensor_parallel import local_forward
 from ..dist.topology import Topology
 from ..lora import MergedAdapters, engine_merges, is_lora
-from . import mla
+from . import mla, state
 from .attention import ATTN_NAME, NO_MASK
 from .backend import AttentionBackend, PagedBatch, StepLayout, TorchPagedBackend
 from .cache import BlockAllocator, KVPool, kv_widths
@@ -79,9 +79,13 @@ class Engine:
             for module in mla.attention_modules(model):
                 mla.check_module(module)
             kv_heads = 1
+        # Hybrid models' conv / linear-attention / state-space layers: a state per request beside the KV.
+        self.states = _state_pool(model, self.pool, config.max_num_seqs + _snapshot_slots(config), self.device, tp)
         self.allocator = BlockAllocator(config.num_blocks)
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_batch_tokens,
-                                   config.max_num_seqs, config.prefix_caching)
+                                   config.max_num_seqs, config.prefix_caching,
+                                   state_slots=config.max_num_seqs if self.states is not None else 0,
+                                   snapshot_slots=_snapshot_slots(config) if self.states is not None else 0)
         # The kernels config.attention picks: a given backend replaces its attention, never its sampler.
         kernels = _resolve_kernels(config.attention, self.device)
         self.backend = backend or self._default_backend(kernels, kv_heads)
@@ -90,7 +94,7 @@ class Engine:
             from .graphs import DecodeRunner
             self.runner = DecodeRunner(self.decoder, self.lm_head, self.pool, self.backend,
                                        config.max_num_seqs, self.max_model_len, scratch_block=config.num_blocks,
-                                       local_forward=self.local_forward)
+                                       local_forward=self.local_forward, states=self.states)
         self.version = 0
         self.eos_ids = _eos_ids(model)
         self.generator = torch.Generator(self.device)
@@ -220,17 +224,19 @@ class Engine:
     def step(self) -> list[Completion]:
         """One scheduling step: admit, prefill a chunk, decode a token for every running request. Returns the
         completions that finished in it."""
-        if self.pool.released:
+        if self.pool.released:  # (the state pool is lent with it)
             raise RuntimeError("the engine's KV memory is lent out (inside engine.lend()): step it afterwards")
         finished, self._done = self._done, []
         t0 = self._phase_t = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
             return finished
+        self._copy_states()
         self._phase("schedule")
         logits = self._forward(chunks)
         self._phase("forward")
         self.scheduler.after_forward(chunks)
+        self._copy_states()
         sampling = [c.request for c in chunks if c.samples]
         if sampling:
             tokens, logprobs = self._sample(logits, sampling)
@@ -268,7 +274,7 @@ class Engine:
         self.version = version
         if self.lora_merged is not None:
             self.lora_merged.refresh()
-        self.allocator.clear_cache()
+        self.scheduler.clear_prefix_cache()
         if self.config.inflight_policy == "recompute":
             self.scheduler.preempt_all()
 
@@ -280,15 +286,17 @@ class Engine:
         to the device so the pool can be taken again; CUDA graphs stay valid where the pool keeps its address
         (CUDA virtual memory) and are recaptured on their next use otherwise. Do not step the engine inside."""
         self._counters["kv_dropped_tokens"] += self.scheduler.preempt_all()
-        self.allocator.clear_cache()
-        lent = self.pool.release()
+        self.scheduler.clear_prefix_cache()
+        lent = self.pool.release() + (self.states.release() if self.states is not None else 0)
         self._counters["kv_lent_bytes"] = lent
         try:
             yield lent
         finally:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            if not self.pool.restore() and self.runner is not None:
+            kept = self.pool.restore()
+            kept = (self.states.restore() if self.states is not None else True) and kept
+            if not kept and self.runner is not None:
                 self.runner.reset()
 
     def stats(self) -> dict:
@@ -302,6 +310,7 @@ class Engine:
             "num_free_blocks": self.allocator.num_free,
             "num_blocks": self.config.num_blocks,
             "kv_pool_gib": self.pool.nbytes / 2**30,
+            "state_pool_gib": self.states.nbytes / 2**30 if self.states is not None else 0.0,
             "host_s": self._counters["step_s"] - self._counters["wait_s"],
             "graphs_captured": self.runner.num_captured if self.runner is not None else 0,
             "num_preemptions": s.num_preemptions,
@@ -352,7 +361,7 @@ class Engine:
             positions = [c.start for c in chunks]
             return self.runner([r.output[-1] if r.output else r.prompt[-1] for r in reqs], positions,
                                [r.blocks[p // bs] * bs + p % bs for r, p in zip(reqs, positions, strict=True)],
-                               [r.blocks for r in reqs])
+                               [r.blocks for r in reqs], [r.state_slot for r in reqs])
         tokens, positions, slots, query_start, context_len, sample_at = [], [], [], [0], [], []
         for chunk in chunks:
             req, start, end = chunk.request, chunk.start, chunk.start + chunk.length
@@ -367,14 +376,25 @@ class Engine:
         dev = self.device
         layout = StepLayout(query_start, context_len, [c.request.blocks for c in chunks],
                             torch.tensor(slots, dtype=torch.int64, device=dev))
-        batch = PagedBatch.for_layout(self.pool, self.backend, layout)
+        states = None if self.states is None else state.StepStates.for_chunks(
+            self.states, [c.request.state_slot for c in chunks], [c.start for c in chunks],
+            [c.length for c in chunks], dev)
+        batch = PagedBatch.for_layout(self.pool, self.backend, layout, states)
         with torch.inference_mode(), self.local_forward():
             hidden = self.decoder(input_ids=torch.tensor([tokens], device=dev),
                                   position_ids=torch.tensor([positions], device=dev),
                                   attention_mask=NO_MASK, paged=batch, use_cache=False,
                                   **mla.forward_kwargs(batch)).last_hidden_state[0]
+            if states is not None:
+                state.check_visited(states)
             rows = hidden.index_select(0, torch.tensor(sample_at, dtype=torch.int64, device=dev))
             return self.lm_head(rows)
+
+    def _copy_states(self) -> None:
+        """The state copies the scheduler asked for (hybrid models): a shared prompt's state kept, or handed on."""
+        for src, dst in self.scheduler.state_copies:
+            self.states.copy_slot(src, dst)
+        self.scheduler.state_copies.clear()
 
     def _append(self, req: Request, token: int, logprob: float) -> str | None:
         req.output.append(token)
@@ -391,6 +411,29 @@ class Engine:
         stop_string = self._stops.find(req.output, req.params.stop) if reason == "stop" and req.params.stop else None
         return Completion(req.request_id, req.group_id, list(req.prompt), list(req.output), list(req.logprobs),
                           reason, list(req.versions), stop_string)
+
+
+def _snapshot_slots(config: EngineConfig) -> int:
+    """State slots for shared prompts (one per group a hybrid model's samples fork from), beside one per request."""
+    return config.max_num_seqs // 4 + 1 if config.prefix_caching else 0
+
+
+def _state_pool(model: torch.nn.Module, pool: KVPool, max_num_seqs: int, device: torch.device,
+                tp: int) -> state.StatePool | None:
+    """The per-request state pool of a hybrid model's sequence layers (None for a model without them): a slot per
+    running request, the shared prompts' and a scratch slot. Refuses layers without attention and without state."""
+    layers = state.install(model)
+    covered = {s.layer_idx for s in layers}
+    bare = [i for i, kv in enumerate(pool.layers) if kv.kv_heads == 0 and i not in covered]
+    if bare:
+        raise ValueError(f"{type(model).__name__}: layers {bare} keep no KV and are no sequence layer unison's "
+                         f"engine knows (unison.engine.state); it cannot generate from this model")
+    if not layers:
+        return None
+    if tp > 1:
+        raise ValueError(f"{type(model).__name__}: hybrid models (conv / linear-attention / state-space layers) "
+                         f"run without tensor parallelism for now")
+    return state.StatePool(layers, max_num_seqs + 1, device)
 
 
 def _resolve_kernels(choice: str, device: torch.device) -> str:

@@ -22,6 +22,7 @@ from contextlib import nullcontext
 import torch
 
 from . import mla
+from . import state as layer_state
 from .attention import NO_MASK
 from .backend import PagedBatch
 from .cache import KVPool
@@ -44,7 +45,8 @@ def batch_ladder(max_batch: int) -> list[int]:
 class DecodeRunner:
     def __init__(self, decoder: torch.nn.Module, lm_head: LMHead, pool: KVPool,
                  backend: TritonPagedBackend, max_batch: int, max_context: int, scratch_block: int,
-                 local_forward: Callable[[], ContextManager] = nullcontext):
+                 local_forward: Callable[[], ContextManager] = nullcontext,
+                 states: layer_state.StatePool | None = None):
         self.decoder = decoder
         self.lm_head = lm_head
         self.pool = pool
@@ -54,15 +56,17 @@ class DecodeRunner:
         self.scratch_block = scratch_block
         self.local_forward = local_forward  # tensor parallelism: the local shards (unison.dist.tensor_parallel)
         self.heartbeat = getattr(local_forward, "heartbeat", None)  # ... and a collective NCCL's watchdog sees
+        self.states = states  # a hybrid model's per-request layer states: each row's slot is a fifth meta row
         self.sizes = batch_ladder(max_batch)
         self.max_batch = n = self.sizes[-1]
         self.max_blocks = w = -(-max_context // bs)
         dev = pool.storage.device
         self.use_graphs = dev.type == "cuda"
-        self.meta = torch.zeros(4, n, dtype=torch.int64, device=dev)  # token, position, slot, context length
+        self.rows = m = 5 if states is not None else 4
+        self.meta = torch.zeros(m, n, dtype=torch.int64, device=dev)  # token, position, slot, context length[, state]
         self.tables = torch.full((n, w), scratch_block, dtype=torch.int64, device=dev)
-        self.stage = torch.empty(4 * n + n * w, dtype=torch.int64, device=dev)
-        self.host = torch.empty(4 * n + n * w, dtype=torch.int64, pin_memory=self.use_graphs)
+        self.stage = torch.empty(m * n + n * w, dtype=torch.int64, device=dev)
+        self.host = torch.empty(m * n + n * w, dtype=torch.int64, pin_memory=self.use_graphs)
         self.mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, object]] = {}
         self.num_captured = 0
@@ -72,25 +76,27 @@ class DecodeRunner:
         self.graphs.clear()
 
     def __call__(self, tokens: list[int], positions: list[int], slots: list[int],
-                 block_tables: list[list[int]]) -> torch.Tensor:
-        """One decode token per request, at ``positions`` (its KV goes to ``slots``). Returns (n, V) fp32 logits,
-        a view of a static buffer that the next call overwrites."""
-        n = len(tokens)
+                 block_tables: list[list[int]], state_slots: list[int | None] | None = None) -> torch.Tensor:
+        """One decode token per request, at ``positions`` (its KV goes to ``slots``, a hybrid layer's state is in
+        ``state_slots``). Returns (n, V) fp32 logits, a view of a static buffer that the next call overwrites."""
+        n, m = len(tokens), self.rows
         b = next(size for size in self.sizes if size >= n)
         w = max(len(t) for t in block_tables)
         host = self.host.numpy()
-        meta = host[:4 * b].reshape(4, b)
+        meta = host[:m * b].reshape(m, b)
         meta[0, :n], meta[1, :n], meta[2, :n] = tokens, positions, slots
         meta[3, :n] = meta[1, :n] + 1
-        meta[:, n:] = ((0,), (0,), (self.scratch_block * self.block_size,), (1,))
-        tables = host[4 * b:4 * b + b * w].reshape(b, w)
+        meta[:4, n:] = ((0,), (0,), (self.scratch_block * self.block_size,), (1,))
+        if self.states is not None:
+            meta[4, :n], meta[4, n:] = state_slots, self.states.scratch
+        tables = host[m * b:m * b + b * w].reshape(b, w)
         for i, table in enumerate(block_tables):
             tables[i, :len(table)] = table
         tables[n:, 0] = self.scratch_block
-        stage = self.stage[:4 * b + b * w]
-        stage.copy_(self.host[:4 * b + b * w], non_blocking=True)
-        self.meta[:, :b].copy_(stage[:4 * b].view(4, b))
-        self.tables[:b, :w].copy_(stage[4 * b:].view(b, w))
+        stage = self.stage[:m * b + b * w]
+        stage.copy_(self.host[:m * b + b * w], non_blocking=True)
+        self.meta[:, :b].copy_(stage[:m * b].view(m, b))
+        self.tables[:b, :w].copy_(stage[m * b:].view(b, w))
         if b not in self.graphs:
             self.graphs[b] = self._capture(b)
         graph, out = self.graphs[b]
@@ -104,13 +110,21 @@ class DecodeRunner:
     def _capture(self, b: int):
         splits = self.backend.splits_for(b, self.max_context)
         state = self.backend.decode_state(self.tables[:b], self.meta[3, :b], splits)
-        batch = PagedBatch(self.pool, self.backend, self.meta[2, :b], state)
+        states = None
+        if self.states is not None:  # a row starting at position 0 (a one-token prompt) starts from zeros
+            states = layer_state.StepStates(self.states, self.meta[4, :b], self.meta[1, :b] == 0, [1] * b)
+            states.prepare_static()
+        batch = PagedBatch(self.pool, self.backend, self.meta[2, :b], state, states)
         ids, positions = self.meta[0:1, :b], self.meta[1:2, :b]
 
         def forward() -> torch.Tensor:
             with torch.inference_mode(), fused_norms(self.decoder), fused_rope(self.decoder), self.local_forward():
+                if states is not None:
+                    torch.eq(positions[0], 0, out=states.fresh)
                 hidden = self.decoder(input_ids=ids, position_ids=positions, attention_mask=NO_MASK, paged=batch,
                                       use_cache=False, **mla.forward_kwargs(batch)).last_hidden_state[0]
+                if states is not None:
+                    layer_state.check_visited(states)
                 return self.lm_head(hidden)
 
         if not self.use_graphs:

@@ -54,7 +54,7 @@ def keep_samples_apart(model: torch.nn.Module) -> list[str]:
                 if tuple(inspect.signature(inspect.unwrap(original)).parameters)[:len(_SIGNATURES[name])] \
                         != _SIGNATURES[name]:
                     continue
-                replacement = make(original)
+                replacement = make(original, module)
                 replacement._unison_keeps_samples_apart = True
                 setattr(module, name, replacement)
             replaced.append(f"{module_name}.{name}")
@@ -113,9 +113,25 @@ def _kernel_in_use(original: Callable) -> bool:
     return cells["implementation"].cell_contents is not getattr(original, "__wrapped__", None)
 
 
-def _conv(original: Callable) -> Callable:
+def _engine_states(kwargs: dict):
+    """An engine forward's per-request states (``unison.engine.state.StepStates``) and the calling layer, or None."""
+    paged = kwargs.get("paged")
+    states = getattr(paged, "states", None)
+    if states is None:
+        return None
+    if "state_layer" not in kwargs:
+        raise RuntimeError("an engine forward reached a sequence layer whose index it was not told "
+                           "(unison.engine.state.install was not run on this model)")
+    return states, kwargs["state_layer"]
+
+
+def _conv(original: Callable, module) -> Callable:
     @functools.wraps(original)
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        engine = _engine_states(kwargs)
+        if engine is not None:
+            states, layer = engine
+            return states.conv(layer, hidden_states, weight, bias, activation)
         cu = _packed_boundaries(kwargs)
         if cu is None:
             return original(hidden_states, weight, bias, activation, **kwargs)
@@ -128,7 +144,7 @@ def _conv(original: Callable) -> Callable:
     return causal_conv1d_fn
 
 
-def _gated_delta_rule(original: Callable) -> Callable:
+def _gated_delta_rule(original: Callable, module) -> Callable:
     kernel = _kernel_in_use(original)
     body = getattr(original, "__wrapped__", original)  # transformers' PyTorch body, whatever it resolved to
 
@@ -136,6 +152,12 @@ def _gated_delta_rule(original: Callable) -> Callable:
     def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
                                      output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
                                      **kwargs):
+        engine = _engine_states(kwargs)
+        if engine is not None:
+            states, layer = engine
+            recurrent = module.torch_recurrent_gated_delta_rule  # the one-token form, as resolved
+            return states.gated_delta(layer, query, key, value, g, beta, chunk_size, use_qk_l2norm_in_kernel,
+                                      original if kernel and query.is_cuda else body, recurrent, kernel)
         if cu_seqlens is None or (kernel and query.is_cuda):  # flash-linear-attention takes cu_seqlens itself
             return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -157,12 +179,20 @@ def _gated_delta_rule(original: Callable) -> Callable:
     return torch_chunk_gated_delta_rule
 
 
-def _mamba2_scan(original: Callable) -> Callable:
+def _mamba2_scan(original: Callable, module) -> Callable:
     kernel = _kernel_in_use(original)
     body = getattr(original, "__wrapped__", original)
 
     @functools.wraps(original)
     def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, *args, **kwargs):
+        engine = _engine_states(kwargs)
+        if engine is not None:
+            if args:
+                raise ValueError("mamba2_chunk_scan: unison's engine takes its optional arguments by name")
+            states, layer = engine
+            rest = {k: v for k, v in _without_packed(kwargs).items()
+                    if k not in ("paged", "state_layer", "initial_states", "return_final_states")}
+            return states.mamba2(layer, hidden_states, dt, A, B, C, chunk_size, body, **rest)
         cu = _packed_boundaries(kwargs)
         if cu is None:
             return original(hidden_states, dt, A, B, C, chunk_size, *args, **kwargs)
@@ -181,17 +211,18 @@ def _mamba2_scan(original: Callable) -> Callable:
     return mamba2_chunk_scan
 
 
-def _mamba2_fused(original: Callable) -> Callable:
+def _mamba2_fused(original: Callable, module) -> Callable:
     @functools.wraps(original)
     def mamba2_split_conv1d_scan_combined(*args, **kwargs):
-        if _packed_boundaries(kwargs) is not None:
+        if _packed_boundaries(kwargs) is not None or _engine_states(kwargs) is not None:
             return None  # the mixer then runs its unfused conv and scan, which keep the samples apart
         return original(*args, **kwargs)
 
     return mamba2_split_conv1d_scan_combined
 
 
-_REPLACEMENTS: dict[str, Callable[[Callable], Callable]] = {
+# Each takes transformers' function and the modeling module it is found in.
+_REPLACEMENTS: dict[str, Callable[[Callable, object], Callable]] = {
     "causal_conv1d_fn": _conv,
     "torch_chunk_gated_delta_rule": _gated_delta_rule,
     "mamba2_chunk_scan": _mamba2_scan,

@@ -98,8 +98,9 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
     engine, publisher = _engine(cfg, model, tokenizer, topology, seed, longest_prompt)
     lend = publisher is None and cfg.memory.lends(engine.device)
     merged = engine.lora_merged.nbytes if publisher is None and engine.lora_merged is not None else 0
+    states = engine.states.nbytes if publisher is None and engine.states is not None else 0
     plan, row_tokens = _memory_plan(cfg, model, engine.pool.nbytes if publisher is None else 0, lend, longest_prompt,
-                                    merged)
+                                    merged, states)
     stop_ids = stop_token_ids(tokenizer, model)
     scorer = RewardScorer(task.reward_fns)
     scorer = BroadcastScorer(scorer, topology.tp) if topology.tp is not None else scorer
@@ -152,7 +153,7 @@ def _engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, topology: Topol
 
 
 def _memory_plan(cfg: TrainConfig, model: torch.nn.Module, kv_bytes: int, lend: bool, longest_prompt: int,
-                 lora_merged_bytes: int = 0) -> tuple[MemoryPlan, int]:
+                 lora_merged_bytes: int = 0, state_bytes: int = 0) -> tuple[MemoryPlan, int]:
     """The memory plan and the packed row length (``step.max_tokens_per_row``, or the longest the plan fits: at
     least the longest sampled prompt plus ``rollout.max_new_tokens``)."""
     longest_sample = longest_prompt + cfg.rollout.max_new_tokens
@@ -161,7 +162,7 @@ def _memory_plan(cfg: TrainConfig, model: torch.nn.Module, kv_bytes: int, lend: 
     def plan_for(row_tokens: int) -> MemoryPlan:
         return plan_memory(model, kv_bytes, cfg.optim.placement == "gpu", lend, row_tokens, cfg.step.logprob_chunk,
                            cfg.memory.activation_checkpointing, reference=reference,
-                           lora_merged_bytes=lora_merged_bytes)
+                           lora_merged_bytes=lora_merged_bytes, state_pool_bytes=state_bytes)
 
     row_tokens = cfg.step.max_tokens_per_row or auto_row_tokens(plan_for, longest_sample)
     plan = plan_for(row_tokens)

@@ -54,6 +54,7 @@ class MemoryPlan:
         """What to lower, largest item first."""
         hints = {
             "optimizer (fp32 state)": "optim.placement=host moves the 12 bytes per parameter to pinned host memory",
+            "layer state pool": "lower engine.max_num_seqs (a state per running request)",
             "KV pool": "lower rollout.max_concurrent_rollouts or rollout.max_new_tokens (the pool is sized from "
                        "them), or set memory.lend_kv=always so the step reuses it",
             "activations (estimate)": "lower step.max_tokens_per_row, or memory.activation_checkpointing=true",
@@ -72,10 +73,11 @@ def kv_blocks_for(max_concurrent: int, prompt_tokens: int, max_new_tokens: int, 
 
 def plan_memory(model: torch.nn.Module, kv_pool_bytes: int, optimizer_on_gpu: bool, lend_kv: bool,
                 max_tokens_per_row: int, logprob_chunk: int, activation_checkpointing: bool,
-                reference: Literal["none", "device", "host", "adapters_off"] = "none", lora_merged_bytes: int = 0
-                ) -> MemoryPlan:
+                reference: Literal["none", "device", "host", "adapters_off"] = "none", lora_merged_bytes: int = 0,
+                state_pool_bytes: int = 0) -> MemoryPlan:
     """``reference``: where the KL term's frozen copy of the weights lives (``unison.train.reference``; a LoRA
-    policy's is its base, no copy). With LoRA adapters only they have gradients and optimizer state."""
+    policy's is its base, no copy). With LoRA adapters only they have gradients and optimizer state.
+    ``state_pool_bytes``: a hybrid model's per-request layer states (``unison.engine.state``), lent with the KV."""
     text = model.config.get_text_config()
     params = {id(p): p for p in model.parameters()}.values()
     weights = sum(local(p).numel() * p.element_size() for p in params)  # this process's shards
@@ -89,14 +91,18 @@ def plan_memory(model: torch.nn.Module, kv_pool_bytes: int, optimizer_on_gpu: bo
     activations = max_tokens_per_row * (layers * (elt * hidden if activation_checkpointing else per_token_layer)
                                         + (per_token_layer if activation_checkpointing else 0))
     gib = 2**30
+    lent = kv_pool_bytes + state_pool_bytes
     rows = [("weights (live)", weights / gib, "shared by the engine and the trainer"),
             ("gradients", trainable * elt / gib, "the LoRA adapters' alone" if trainable < weights / elt else ""),
             ("optimizer (fp32 state)", (12 * trainable if optimizer_on_gpu else 0) / gib,
              "" if optimizer_on_gpu else f"{12 * trainable / gib:.2f} GiB in pinned host memory"),
             ("KV pool", kv_pool_bytes / gib, "lent to the training step" if lend_kv else ""),
-            ("activations (estimate)", (max(activations - kv_pool_bytes, 0) if lend_kv else activations) / gib,
+            ("activations (estimate)", (max(activations - lent, 0) if lend_kv else activations) / gib,
              "beyond the lent KV pool" if lend_kv else ""),
             ("logits chunk", 3 * logprob_chunk * text.vocab_size * 4 / gib, "fp32 logits, softmax, grad")]
+    if state_pool_bytes:
+        rows.insert(4, ("layer state pool", state_pool_bytes / gib, "hybrid layers' conv and recurrent states, "
+                        + ("lent with the KV pool" if lend_kv else "per running request")))
     if lora_merged_bytes:
         rows.append(("LoRA merged weights", lora_merged_bytes / 2**30, "the engine's W + s B A (engine.lora_weights)"))
     if reference == "adapters_off":
