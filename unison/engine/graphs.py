@@ -68,7 +68,7 @@ class DecodeRunner:
         self.stage = torch.empty(m * n + n * w, dtype=torch.int64, device=dev)
         self.host = torch.empty(m * n + n * w, dtype=torch.int64, pin_memory=self.use_graphs)
         self.mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, object]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, object, object]] = {}
         self.num_captured = 0
 
     def reset(self) -> None:
@@ -98,8 +98,10 @@ class DecodeRunner:
         self.meta[:, :b].copy_(stage[:m * b].view(m, b))
         self.tables[:b, :w].copy_(stage[m * b:].view(b, w))
         if b not in self.graphs:
-            self.graphs[b] = self._capture(b)
-        graph, out = self.graphs[b]
+            self.graphs[b], first = self._capture(b)
+            if first is not None:  # this step ran as the capture's warm-up: its logits, no replay
+                return first[:n]
+        graph, out, _ = self.graphs[b]
         if graph is None:
             return out()[:n]  # eager: ``out`` is the forward itself
         graph.replay()
@@ -127,17 +129,20 @@ class DecodeRunner:
                     layer_state.check_visited(states)
                 return self.lm_head(hidden)
 
+        # Kept with the graph: the tensors its kernels read that nothing else holds (a hybrid's state indices).
         if not self.use_graphs:
-            return None, forward
-        # Warm up on a side stream (kernel compilation, library handles), then capture. The warm-up runs this
-        # step's real inputs, so the KV it writes is what the replay writes again.
+            return (None, forward, states), None
+        # Warm up on a side stream (kernel compilation, library handles), then capture. The warm-up is this step
+        # itself (its logits are the step's, and the graph first replays at the next step): a hybrid layer's
+        # state must advance once per step, where rewriting the same KV twice would have been harmless.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            forward()
+            first = forward()
         torch.cuda.current_stream().wait_stream(side)
+        first.record_stream(torch.cuda.current_stream())  # read there (sampling) after the side stream made it
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             logits = forward()
         self.num_captured += 1
-        return graph, logits
+        return (graph, logits, states), first

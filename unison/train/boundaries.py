@@ -27,13 +27,17 @@ Only functions whose signature is the one written against here are replaced; any
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
+import logging
 import sys
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
+
+log = logging.getLogger(__name__)
 
 # The packed-forward kwargs transformers hands the layers (unison.train.logprobs.policy_logprobs passes them).
 PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -158,7 +162,9 @@ def _gated_delta_rule(original: Callable, module) -> Callable:
             recurrent = module.torch_recurrent_gated_delta_rule  # the one-token form, as resolved
             return states.gated_delta(layer, query, key, value, g, beta, chunk_size, use_qk_l2norm_in_kernel,
                                       original if kernel and query.is_cuda else body, recurrent, kernel)
-        if cu_seqlens is None or (kernel and query.is_cuda):  # flash-linear-attention takes cu_seqlens itself
+        # flash-linear-attention takes cu_seqlens itself, unless its backward would refuse this GPU's Triton.
+        fla = kernel and query.is_cuda and not (torch.is_grad_enabled() and fla_backward_refused())
+        if cu_seqlens is None or fla:
             return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                             cu_seqlens=cu_seqlens, **kwargs)
@@ -177,6 +183,24 @@ def _gated_delta_rule(original: Callable, module) -> Callable:
         return torch.cat(outs, 1), (torch.cat(finals, 0) if output_final_state else None)
 
     return torch_chunk_gated_delta_rule
+
+
+@functools.cache
+def fla_backward_refused() -> bool:
+    """Whether flash-linear-attention's gated chunk backward refuses to run here: on Hopper GPUs with Triton 3.4 to
+    3.7.0 (wrong gradients, its issue #640) unless tilelang is installed. Packed training then takes transformers'
+    PyTorch body per sample (exact, slower; measured on one H200 with Triton 3.6); forwards keep the kernels."""
+    try:
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except ImportError:  # not installed, or a version without the check
+        return False
+    refused = IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 \
+        and importlib.util.find_spec("tilelang") is None
+    if refused:
+        log.warning("flash-linear-attention refuses its gated delta-rule backward with this Triton on Hopper (its "
+                    "issue #640): packed training runs transformers' PyTorch body per sample instead; Triton >= 3.7.1 "
+                    "or `pip install tilelang` gives the kernels back")
+    return refused
 
 
 def _mamba2_scan(original: Callable, module) -> Callable:
