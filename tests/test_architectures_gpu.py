@@ -19,11 +19,19 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3", "gemma2"])
 def test_engine_and_packed_forward_at_the_bf16_floor(family):
     model, eager = tiny(family)
-    ref32 = eager.cuda()
-    eager16 = copy.deepcopy(eager).to(torch.bfloat16)
-    model = model.to("cuda", torch.bfloat16)
-    engine = Engine(model, EngineConfig(num_blocks=64, block_size=16, max_batch_tokens=64, seed=0))
+    engine = assert_at_the_bf16_floor(family, model, eager)
     assert type(engine.backend).__name__ == "TritonPagedBackend"
+
+
+def assert_at_the_bf16_floor(family: str, model, eager, device: str = "cuda") -> Engine:
+    """The engine's sampled logprobs (a few prompts, a group of 2 each) and the packed training forward's logits,
+    each no further from an fp32 eager forward of the same weights than a bf16 eager forward is (2x and 1e-3 of
+    slack). ``model``: on the unison attention, fp32 (moved to ``device`` in bf16 here); ``eager``: the same weights
+    on eager attention. Returns the engine."""
+    ref32 = eager.to(device)
+    eager16 = copy.deepcopy(eager).to(torch.bfloat16)
+    model = model.to(device, torch.bfloat16)
+    engine = Engine(model, EngineConfig(num_blocks=64, block_size=16, max_batch_tokens=64, seed=0))
     done = engine.generate(random_prompts([7, 40, 100], seed=8), SamplingParams(max_new_tokens=24, n=2,
                                                                                  stop_token_ids=()))
     gap, floor = [], []
@@ -37,9 +45,9 @@ def test_engine_and_packed_forward_at_the_bf16_floor(family):
     assert gap.mean() <= 2 * floor.mean() + 1e-3
 
     lengths = [60, 1, 130, 33]
-    ids = torch.randint(3, 256, (1, sum(lengths)), device="cuda")
-    pos = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    ids = torch.randint(3, 256, (1, sum(lengths)), device=device)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     with torch.no_grad():
         packed = model(ids, position_ids=pos, attention_mask=NO_MASK, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                        max_length_q=max(lengths), max_length_k=max(lengths), use_cache=False).logits[0].float()
@@ -50,6 +58,7 @@ def test_engine_and_packed_forward_at_the_bf16_floor(family):
     print(f"{family} packed logits vs fp32 eager: mean {gap.mean():.2e} max {gap.max():.2e}; "
           f"bf16 eager: mean {floor.mean():.2e} max {floor.max():.2e}")
     assert gap.mean() <= 2 * floor.mean() + 1e-3
+    return engine
 
 
 @pytest.mark.parametrize("splits", [1, 4])

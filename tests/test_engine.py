@@ -126,6 +126,13 @@ def test_inflight_requests_across_an_update(policy):
     engine.weights_updated(engine.version + 1)
     done = engine.generate([], params) + [c for _ in range(40) for c in engine.step()]
     assert len(done) == 2
+    assert_logprobs_across_the_update(model, old, done, policy)
+
+
+def assert_logprobs_across_the_update(model, old: dict, done, policy: str) -> None:
+    """Completions sampled across one in-place update from ``old`` to the model's current weights: the tokens of
+    version 0 score as the old weights do, the later ones as the new weights do (``recompute``), or with the old
+    weights' KV of the earlier tokens (``keep``, through the model's own cache)."""
     new = {n: p.detach().clone() for n, p in model.named_parameters()}
     for c in done:
         k = c.weight_versions.count(0)

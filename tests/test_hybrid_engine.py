@@ -12,9 +12,9 @@ import logging
 
 import pytest
 import torch
-from conftest import max_logprob_diff, random_prompts, teacher_forced_logprobs
+from conftest import max_logprob_diff, random_prompts
 from hybrid_models import HYBRIDS, tiny_hybrid
-from test_engine import _keep_reference
+from test_engine import assert_logprobs_across_the_update
 
 from unison.engine import Engine, EngineConfig, SamplingParams
 from unison.parity import check_parity
@@ -93,19 +93,7 @@ def test_inflight_requests_across_an_in_place_update(family, policy):
     engine.weights_updated(engine.version + 1)
     done = [c for _ in range(40) for c in engine.step()]
     assert len(done) == 2
-    new = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for c in done:
-        k = c.weight_versions.count(0)
-        assert 0 < k < len(c.token_ids) and c.weight_versions == [0] * k + [1] * (len(c.token_ids) - k)
-        model.load_state_dict(old)
-        ref_old = teacher_forced_logprobs(model, c.prompt_ids, c.token_ids)[:k]
-        if policy == "recompute":
-            model.load_state_dict(new)
-            ref_new = teacher_forced_logprobs(model, c.prompt_ids, c.token_ids)[k:]
-        else:  # the state and KV of the first tokens are the old weights', through the model's own cache
-            ref_new = _keep_reference(model, old, new, c.prompt_ids, c.token_ids, k)
-        assert (torch.cat([ref_old, ref_new]) - torch.tensor(c.logprobs)).abs().max() < 1e-4
-    model.load_state_dict(new)
+    assert_logprobs_across_the_update(model, old, done, policy)
 
 
 def test_lending_the_pools_mid_generation_and_continuing_a_turn():

@@ -4,17 +4,15 @@ whole models at the bf16 floor; the varlen kernel path against the per-request P
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import inspect
 import sys
 
 import pytest
 import torch
-from conftest import random_prompts, teacher_forced_logprobs
 from hybrid_models import tiny_hybrid
+from test_architectures_gpu import assert_at_the_bf16_floor
 
-from unison.engine import NO_MASK, Engine, EngineConfig, SamplingParams
 from unison.engine.state import StateLayer, StatePool, StepStates
 
 pytestmark = pytest.mark.gpu
@@ -23,39 +21,10 @@ FLA = importlib.util.find_spec("fla") is not None
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "lfm2", "falcon_h1"])
 def test_engine_and_packed_forward_at_the_bf16_floor(family):
-    eager = tiny_hybrid(family, attn="eager")
-    ref32 = eager.cuda()
-    eager16 = copy.deepcopy(eager).to(torch.bfloat16)
-    model = tiny_hybrid(family).to("cuda", torch.bfloat16)
-    engine = Engine(model, EngineConfig(num_blocks=64, block_size=16, max_batch_tokens=64, seed=0))
-    assert engine.runner is not None  # decode steps through the CUDA graphs, the states' slots in their inputs
-    done = engine.generate(random_prompts([7, 40, 100], seed=8), SamplingParams(max_new_tokens=24, n=2,
-                                                                                 stop_token_ids=()))
-    assert engine.stats()["graph_steps"] > 0 and engine.stats()["prefix_cache_hit_rate"] > 0
-    gap, floor = [], []
-    for c in done:
-        ref = teacher_forced_logprobs(ref32, c.prompt_ids, c.token_ids)
-        gap.append((torch.tensor(c.logprobs) - ref).abs())
-        floor.append((teacher_forced_logprobs(eager16, c.prompt_ids, c.token_ids) - ref).abs())
-    gap, floor = torch.cat(gap), torch.cat(floor)
-    print(f"{family} engine logprobs vs fp32 eager: mean {gap.mean():.2e} max {gap.max():.2e}; "
-          f"bf16 eager: mean {floor.mean():.2e} max {floor.max():.2e}")
-    assert gap.mean() <= 2 * floor.mean() + 1e-3
-
-    lengths = [60, 1, 130, 33]
-    ids = torch.randint(3, 256, (1, sum(lengths)), device="cuda")
-    pos = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    with torch.no_grad():
-        packed = model(ids, position_ids=pos, attention_mask=NO_MASK, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                       max_length_q=max(lengths), max_length_k=max(lengths), use_cache=False).logits[0].float()
-        bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True))
-        ref = torch.cat([ref32(ids[:, a:b]).logits[0] for a, b in bounds])
-        plain = torch.cat([eager16(ids[:, a:b]).logits[0].float() for a, b in bounds])
-    gap, floor = (packed - ref).abs(), (plain - ref).abs()
-    print(f"{family} packed logits vs fp32 eager: mean {gap.mean():.2e} max {gap.max():.2e}; "
-          f"bf16 eager: mean {floor.mean():.2e} max {floor.max():.2e}")
-    assert gap.mean() <= 2 * floor.mean() + 1e-3
+    engine = assert_at_the_bf16_floor(family, tiny_hybrid(family), tiny_hybrid(family, attn="eager"))
+    # Decode steps ran through the CUDA graphs (the states' slots in their inputs), the groups forked.
+    assert engine.runner is not None and engine.stats()["graph_steps"] > 0
+    assert engine.stats()["prefix_cache_hit_rate"] > 0
 
 
 @pytest.mark.skipif(not FLA, reason="flash-linear-attention (the unison[hybrid] extra) is not installed")

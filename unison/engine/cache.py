@@ -68,7 +68,7 @@ def kv_widths(text_config, tp: int = 1, mla_cache: str = "latent") -> list[Layer
 STATE_LAYER_TYPES = ("linear_attention", "conv", "mamba")
 
 
-class KVPool:
+class KVPool(vmm.LendsMemory):
     """K and V for every layer: ``k[layer]`` is ``(num_blocks * block_size, KVH, Dk)``, ``v[layer]``
     ``(num_blocks * block_size, KVH, Dv)`` (a view of ``k[layer]``'s first columns where the layer's values are
     in its keys), each layer's shapes from its ``LayerKV``; all are views of one allocation, which ``release()``
@@ -84,13 +84,8 @@ class KVPool:
         self.num_slots = n = num_blocks * block_size
         self.layers = list(layers)
         numel = sum(n * layer.kv_heads * layer.width for layer in self.layers)
-        self._vmm = None
-        if vmm.available(torch.device(device)):
-            self._vmm = vmm.VirtualBuffer(numel * dtype.itemsize, torch.device(device))
-            self.storage = self._vmm.tensor(dtype)[:numel]
-            self.storage.zero_()
-        else:
-            self.storage = torch.zeros(numel, dtype=dtype, device=device)
+        self._memory = vmm.LendableBuffer(numel, dtype, device)
+        self.storage = self._memory.storage
         self.k, self.v = [], []
         offset = 0
         for layer in self.layers:
@@ -100,44 +95,11 @@ class KVPool:
                 offset += size
             if layer.value_in_key:
                 self.v[-1] = self.k[-1][..., :layer.value_dim]
-        self._bytes = numel * dtype.itemsize
-        self.released = False
 
     @property
     def has_latent(self) -> bool:
         """Whether some layer caches an MLA latent (``unison.engine.mla``)."""
         return any(layer.value_in_key for layer in self.layers)
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
-
-    @property
-    def fixed_address(self) -> bool:
-        return self._vmm is not None
-
-    def release(self) -> int:
-        """Give the pool's memory back to the device. Returns the bytes released."""
-        if self.released:
-            return 0
-        if self._vmm is not None:
-            self._vmm.unmap()
-        else:
-            self.storage.untyped_storage().resize_(0)
-        self.released = True
-        return self._bytes
-
-    def restore(self) -> bool:
-        """Take the memory again, zeroed. Returns whether every address is what it was before ``release()``."""
-        if not self.released:
-            return True
-        if self._vmm is not None:
-            self._vmm.map()
-        else:
-            self.storage.untyped_storage().resize_(self._bytes)
-        self.storage.zero_()
-        self.released = False
-        return self._vmm is not None
 
 
 class BlockAllocator:

@@ -120,7 +120,7 @@ def _tell_layer(module, args, kwargs):
     return None
 
 
-class StatePool:
+class StatePool(vmm.LendsMemory):
     """Every state layer's per-sequence states, ``num_slots`` sequences (the last one scratch: padded rows of a
     CUDA-graph step write there), fp32, in one lendable allocation (``release``/``restore``, as ``KVPool``):
     ``conv[layer]`` is ``(slots, channels, kernel - 1)``, ``recurrent[layer]`` ``(slots, *shape)``."""
@@ -130,11 +130,8 @@ class StatePool:
         self.num_slots = num_slots
         self.scratch = num_slots - 1
         numel = num_slots * sum(s.numel for s in layers)
-        device = torch.device(device)
-        self._vmm = vmm.VirtualBuffer(numel * 4, device) if vmm.available(device) else None
-        self.storage = (self._vmm.tensor(torch.float32)[:numel] if self._vmm is not None
-                        else torch.zeros(numel, dtype=torch.float32, device=device))
-        self.storage.zero_()
+        self._memory = vmm.LendableBuffer(numel, torch.float32, device)
+        self.storage = self._memory.storage
         self.conv, self.recurrent = {}, {}
         offset = 0
         for s in layers:
@@ -145,38 +142,10 @@ class StatePool:
                 size = num_slots * (s.numel - s.channels * (s.kernel - 1))
                 self.recurrent[s.layer_idx] = self.storage[offset:offset + size].view(num_slots, *s.recurrent)
                 offset += size
-        self._bytes = numel * 4
-        self.released = False
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
 
     @property
     def bytes_per_sequence(self) -> int:
-        return self._bytes // self.num_slots
-
-    def release(self) -> int:
-        if self.released:
-            return 0
-        if self._vmm is not None:
-            self._vmm.unmap()
-        else:
-            self.storage.untyped_storage().resize_(0)
-        self.released = True
-        return self._bytes
-
-    def restore(self) -> bool:
-        """Take the memory again, zeroed. Returns whether every address is what it was."""
-        if not self.released:
-            return True
-        if self._vmm is not None:
-            self._vmm.map()
-        else:
-            self.storage.untyped_storage().resize_(self._bytes)
-        self.storage.zero_()
-        self.released = False
-        return self._vmm is not None
+        return self.nbytes // self.num_slots
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Every layer's state of sequence ``src`` into ``dst`` (a group's sample starting from its prompt's)."""

@@ -94,3 +94,71 @@ class VirtualBuffer:
             self._drv.cuMemAddressFree(self.address, self.nbytes)
         except Exception:  # interpreter shutdown: the driver may be gone already
             pass
+
+
+class LendableBuffer:
+    """``numel`` zeroed elements of ``dtype`` that can be given back to the device and taken again, contents lost (the
+    engine's KV and state pools, lent to the training step): CUDA virtual memory at a fixed address where
+    ``cuda-bindings`` is installed, else a tensor whose storage is resized to nothing and back."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        device = torch.device(device)
+        self._vmm = VirtualBuffer(numel * dtype.itemsize, device) if available(device) else None
+        self.storage = self._vmm.tensor(dtype)[:numel] if self._vmm is not None else \
+            torch.zeros(numel, dtype=dtype, device=device)
+        self.storage.zero_()
+        self.nbytes = numel * dtype.itemsize
+        self.released = False
+
+    @property
+    def fixed_address(self) -> bool:
+        return self._vmm is not None
+
+    def release(self) -> int:
+        """Give the memory back to the device. Returns the bytes released (0 if already released)."""
+        if self.released:
+            return 0
+        if self._vmm is not None:
+            self._vmm.unmap()
+        else:
+            self.storage.untyped_storage().resize_(0)
+        self.released = True
+        return self.nbytes
+
+    def restore(self) -> bool:
+        """Take the memory again, zeroed. Returns whether every address is what it was before ``release()``."""
+        if not self.released:
+            return True
+        if self._vmm is not None:
+            self._vmm.map()
+        else:
+            self.storage.untyped_storage().resize_(self.nbytes)
+        self.storage.zero_()
+        self.released = False
+        return self._vmm is not None
+
+
+class LendsMemory:
+    """A pool whose tensors all view one ``LendableBuffer``, ``self._memory``: lent and taken back as a whole."""
+
+    _memory: LendableBuffer
+
+    @property
+    def nbytes(self) -> int:
+        return self._memory.nbytes
+
+    @property
+    def fixed_address(self) -> bool:
+        return self._memory.fixed_address
+
+    @property
+    def released(self) -> bool:
+        return self._memory.released
+
+    def release(self) -> int:
+        """Give the pool's memory back to the device. Returns the bytes released."""
+        return self._memory.release()
+
+    def restore(self) -> bool:
+        """Take the memory again, zeroed. Returns whether every address is what it was before ``release()``."""
+        return self._memory.restore()
