@@ -5,43 +5,29 @@ update as one process; `unison train --dist.tp=2` saves adapters that PEFT loads
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import test_tensor_parallel
 import torch
-from peers.tp_lora_peer import LORA
-from peers.tp_peer import OPTIM, STEPS, run
+from peers.tp_peer import LORA, OPTIM, STEPS, run
 from test_lora import check_saved_lora
-from test_tensor_parallel import assert_decodes_and_trains_as_one_process, run_two_ranks, torchrun_train
+from test_tensor_parallel import assert_decodes_and_trains_as_one_process, torchrun_train
 
 from unison.config import ConfigError
-from unison.lora import LoraConfig, save_adapter, shard_adapters
+from unison.lora import LoraConfig, shard_adapters
 from unison.models import load_policy
 from unison.train.optimizer import MasterAdamW
 
 peft = pytest.importorskip("peft")
 qwen3_dir = test_tensor_parallel.qwen3_dir  # the fixture: a tiny Qwen3 with one KV head per rank
+two_ranks = test_tensor_parallel.two_ranks  # the fixture: one two-rank launch, its LoRA run on saved adapters
 
 
-def saved_adapters(model_dir: str, folder) -> str:
-    """The tiny Qwen3's adapters with ``lora_B`` random (as after training, so that they matter), in PEFT's format."""
-    model, _ = load_policy(model_dir, dtype=torch.float32, lora=LORA)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if "lora_B" in name:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-    os.makedirs(folder)
-    save_adapter(model, LORA, str(folder), model_dir)
-    return str(folder)
+def test_lora_on_two_ranks_equals_one_process(two_ranks):
+    ranks = [r["lora"] for r in two_ranks["ranks"]]
 
-
-def test_lora_on_two_ranks_equals_one_process(qwen3_dir, tmp_path):
-    adapters = saved_adapters(qwen3_dir, tmp_path / "adapters")
-    ranks = run_two_ranks("tp_lora_peer.py", qwen3_dir, adapters, out=tmp_path)
-
-    model, _ = load_policy(qwen3_dir, dtype=torch.float32, lora=LORA, adapter=adapters)  # one process, whole
+    model, _ = load_policy(two_ranks["model_dir"], dtype=torch.float32, lora=LORA,  # one process, whole
+                           adapter=two_ranks["adapters"])
     start = {k: v.clone() for k, v in model.state_dict().items()}
     single = run(model, lambda m: MasterAdamW(m.named_parameters(), OPTIM, STEPS))
     for r in ranks:

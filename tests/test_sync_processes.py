@@ -22,20 +22,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("transport", ["dist", "dir"])
-def test_two_process_sync_survives_faults(transport, tmp_path):
+TRANSPORTS = ["dist", "dir"]
+
+
+@pytest.fixture(scope="module")
+def synced(tmp_path_factory):
+    """One launch of the trainer and the server peers, syncing over each transport in turn: the folder holding
+    ``<transport>/<role>.json``."""
+    out = tmp_path_factory.mktemp("sync")
     port = free_port()
     procs = []
     for rank, role in enumerate(("trainer", "server")):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, PEER, role, transport, str(tmp_path), str(tmp_path / "sync")],
+        procs.append(subprocess.Popen([sys.executable, PEER, role, str(out), str(out / "sync"), *TRANSPORTS],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for p in procs:
-        output, _ = p.communicate(timeout=240)
+        output, _ = p.communicate(timeout=240 * len(TRANSPORTS))
         assert p.returncode == 0, output[-3000:]
-    trainer = json.loads((tmp_path / "trainer.json").read_text())
-    server = json.loads((tmp_path / "server.json").read_text())
+    return out
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_two_process_sync_survives_faults(transport, synced):
+    trainer = json.loads((synced / transport / "trainer.json").read_text())
+    server = json.loads((synced / transport / "server.json").read_text())
     assert server["checksums"] == trainer["checksums"]  # bit-identical, every tensor
     assert server["weights_valid"]
     counts = server["counts"]

@@ -1,9 +1,13 @@
 """Tensor parallelism over gloo: two ranks holding half of each projection decode the same tokens (on the plain
 local shards, with explicit all-reduces) and make the same update as one process holding the whole model;
-`unison train --dist.tp=2` trains and saves a checkpoint."""
+`unison train --dist.tp=2` trains and saves a checkpoint.
+
+Every launch starts interpreters that import torch and transformers (about half of a 50 s launch on two cores):
+tests that can check the same launch share it (the ``two_ranks`` and ``tp_run`` fixtures)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -14,18 +18,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_tokenizer
-from peers.tp_peer import OPTIM, STEPS, run
+from peers.tp_peer import OPTIM, STEPS, run, saved_adapters
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from unison.config import load_config
 from unison.dist.tensor_parallel import _fp32_product
 from unison.models import load_policy
 from unison.train.checkpoint import load_trainer_state
+from unison.train.config import TrainConfig
 from unison.train.optimizer import MasterAdamW
 
 PEERS = os.path.join(os.path.dirname(__file__), "peers")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory):
     """Qwen3 (per-head q/k norms, tied embeddings) with 4 query and 2 KV heads: one KV head per rank."""
     path = tmp_path_factory.mktemp("tiny_qwen3_tp")
@@ -60,6 +66,23 @@ def run_two_ranks(peer: str, *args: str, out) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
+_TWO_RANKS: dict = {}
+
+
+@pytest.fixture(scope="session")
+def two_ranks(qwen3_dir, tmp_path_factory) -> dict:
+    """One two-rank launch of ``peers/tp_peer.py`` for the plain and the LoRA check (its LoRA run loads
+    ``saved_adapters``; without peft there is none): ``ranks`` (each rank's results, ``"plain"`` and ``"lora"``) and
+    the ``model_dir`` and ``adapters`` folders they loaded. Cached, as tests/test_lora_tensor_parallel.py imports
+    the fixture and pytest would run it again for that module."""
+    if not _TWO_RANKS:
+        out = tmp_path_factory.mktemp("two_ranks")
+        adapters = saved_adapters(qwen3_dir, out / "adapters") if importlib.util.find_spec("peft") else ""
+        _TWO_RANKS.update(model_dir=qwen3_dir, adapters=adapters,
+                          ranks=run_two_ranks("tp_peer.py", qwen3_dir, adapters, out=out))
+    return _TWO_RANKS
+
+
 def assert_decodes_and_trains_as_one_process(rank: dict, single: dict) -> None:
     """A rank's ``peers.tp_peer.run`` result against one process's: the same tokens before and after training;
     logprobs and gradient norms up to fp32 summation order."""
@@ -71,10 +94,10 @@ def assert_decodes_and_trains_as_one_process(rank: dict, single: dict) -> None:
     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(rank["norms"], single["norms"], strict=True))
 
 
-def test_two_ranks_equal_one_process(qwen3_dir, tmp_path):
-    ranks = run_two_ranks("tp_peer.py", qwen3_dir, out=tmp_path)
+def test_two_ranks_equal_one_process(two_ranks):
+    ranks = [r["plain"] for r in two_ranks["ranks"]]
 
-    model, _ = load_policy(qwen3_dir, dtype=torch.float32)  # one process, the whole model
+    model, _ = load_policy(two_ranks["model_dir"], dtype=torch.float32)  # one process, the whole model
     start = {k: v.clone() for k, v in model.state_dict().items()}
     single = run(model, lambda m: MasterAdamW(m.named_parameters(), OPTIM, STEPS))
     for r in ranks:
@@ -111,6 +134,7 @@ def test_rowwise_partials_round_once_as_one_process():
 
 
 def torchrun_train(model_dir: str, out, *overrides: str, processes: int = 2) -> None:
+    """`unison train` on ``processes`` torchrun processes (``peers/train_peer.py``); fails with the run's output."""
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}",
                            f"--master-port={free_port()}", os.path.join(PEERS, "train_peer.py"), model_dir, str(out),
                            *overrides],
@@ -118,9 +142,19 @@ def torchrun_train(model_dir: str, out, *overrides: str, processes: int = 2) -> 
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
 
 
-def test_torchrun_train_with_tensor_parallelism(qwen3_dir, tmp_path):
-    out = tmp_path / "run"
-    torchrun_train(qwen3_dir, out, "--dist.tp=2", "--max_steps=2", "--save_every=1")
+TP_RUN = ("--dist.tp=2", "--max_steps=2", "--save_every=1")
+
+
+@pytest.fixture(scope="module")
+def tp_run(qwen3_dir, tmp_path_factory):
+    """`unison train --dist.tp=2` for 2 steps, saving after each: its output folder (checked by two tests)."""
+    out = tmp_path_factory.mktemp("tp_run") / "run"
+    torchrun_train(qwen3_dir, out, *TP_RUN)
+    return out
+
+
+def test_torchrun_train_with_tensor_parallelism(qwen3_dir, tp_run, tmp_path):
+    out = tp_run
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["optim/changed_frac"] > 0 for r in records)
@@ -134,13 +168,13 @@ def test_torchrun_train_with_tensor_parallelism(qwen3_dir, tmp_path):
     assert [json.loads(line)["step"] for line in (resumed / "metrics.jsonl").read_text().splitlines()] == [2]
 
 
-def test_tensor_parallel_activation_checkpointing_changes_nothing(qwen3_dir, tmp_path):
-    """Checkpointed layers recompute their forward, collectives included, inside the backward: the same update."""
-    for name, flag in (("plain", "false"), ("checkpointed", "true")):
-        torchrun_train(qwen3_dir, tmp_path / name, "--dist.tp=2", "--max_steps=2",
-                       f"--memory.activation_checkpointing={flag}")
+def test_tensor_parallel_activation_checkpointing_changes_nothing(qwen3_dir, tp_run, tmp_path):
+    """Checkpointed layers recompute their forward, collectives included, inside the backward: the same update as
+    the plain run (``tp_run``: activation checkpointing off, the default)."""
+    assert not load_config(TrainConfig, str(tp_run / "config.yaml")).memory.activation_checkpointing
+    torchrun_train(qwen3_dir, tmp_path / "checkpointed", *TP_RUN, "--memory.activation_checkpointing=true")
     checkpointed = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpointed" / "checkpoint").state_dict()
-    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "plain" / "checkpoint").state_dict()
+    plain = AutoModelForCausalLM.from_pretrained(tp_run / "checkpoint").state_dict()
     start = AutoModelForCausalLM.from_pretrained(qwen3_dir).state_dict()
     assert any(not torch.equal(v, start[k]) for k, v in plain.items())
     for name, value in plain.items():

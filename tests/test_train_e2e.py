@@ -34,9 +34,16 @@ def run_cfg(model_dir, out, *overrides):
         "--engine.num_blocks=256", "--engine.block_size=8", "--step.max_tokens_per_row=64", *overrides])
 
 
-def test_run_directory_and_checkpoint(model_dir, tmp_path):
-    out = tmp_path / "run"
-    last = train(run_cfg(model_dir, out, "--optim.lr=1e-3"), task())
+@pytest.fixture(scope="module")
+def default_run(model_dir, tmp_path_factory):
+    """One run of the default settings at lr 1e-3 (on the CPU the KV pool is not lent): its output folder and last
+    metrics, checked by two tests."""
+    out = tmp_path_factory.mktemp("default") / "run"
+    return out, train(run_cfg(model_dir, out, "--optim.lr=1e-3"), task())
+
+
+def test_run_directory_and_checkpoint(model_dir, default_run):
+    out, last = default_run
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     for key in ("reward/mean", "time/step_s", "is/clipfrac", "mismatch/logprob_diff_mean", "loss"):
@@ -92,17 +99,18 @@ def test_sdpa_model_is_refused_for_packed_training():
     torch.testing.assert_close(sdpa.model.embed_tokens.weight.shape, model.model.embed_tokens.weight.shape)
 
 
-def test_lending_host_placement_and_checkpointing_change_nothing(model_dir, tmp_path):
+def test_lending_host_placement_and_checkpointing_change_nothing(model_dir, default_run, tmp_path):
     """Same seed, same run: with the KV pool lent to every step or not, the optimizer state in
     host memory or not, activation checkpointing or not: the same completions, losses and final weights."""
     from safetensors.torch import load_file
 
-    runs = {"lending": ["--memory.lend_kv=always"], "no_lending": ["--memory.lend_kv=never"],
+    runs = {"lending": ["--memory.lend_kv=always"], "no_lending": None,  # default_run: not lent on the CPU
             "host": ["--optim.placement=host"], "checkpointing": ["--memory.activation_checkpointing=true"]}
     results = {}
     for name, overrides in runs.items():
-        out = tmp_path / name
-        train(run_cfg(model_dir, out, "--optim.lr=1e-3", *overrides), task())
+        out = default_run[0] if overrides is None else tmp_path / name
+        if overrides is not None:
+            train(run_cfg(model_dir, out, "--optim.lr=1e-3", *overrides), task())
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         results[name] = (records, load_file(str(out / "checkpoint" / "model.safetensors")))
     base_records, base_weights = results.pop("lending")

@@ -167,7 +167,12 @@ def plot_metrics(metrics_path: str, png_path: str, keys: Iterable[str] | None = 
 
     cols = min(4, len(keys))
     rows = math.ceil(len(keys) / cols)
-    fig = Figure(figsize=(4 * cols, 2.8 * rows), layout="constrained")
+    width, height = 4 * cols, 2.8 * rows
+    fig = Figure(figsize=(width, height))
+    # Fixed margins (inches at the edges): a constrained layout measures every label first, 2.2 s of the 4 s that
+    # 16 panels took on a 2-core CPU, at the end of every run.
+    fig.subplots_adjust(left=0.6 / width, right=1 - 0.15 / width, bottom=0.5 / height, top=1 - 0.3 / height,
+                        wspace=0.25, hspace=0.55)
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     for ax, key in zip(axes, keys, strict=False):
         steps = [r["step"] for r in records if key in r]

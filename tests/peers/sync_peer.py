@@ -1,6 +1,7 @@
 """One side of a two-process weight sync (run by tests/test_sync_processes.py; not a test module).
 
-    python tests/peers/sync_peer.py ROLE TRANSPORT OUT [URL]     ROLE: trainer | server; TRANSPORT: dist | dir
+    python tests/peers/sync_peer.py ROLE OUT URL TRANSPORT [TRANSPORT ...]     ROLE: trainer | server
+                                                                               TRANSPORT: dist | dir
 
 The trainer trains a bf16 tiny model for STEPS optimizer steps and syncs each step's changed elements through the
 transport's Sender, with faults injected on the way (a dropped patch, corrupted bytes, a stale patch for an older
@@ -8,7 +9,8 @@ base version, an out-of-bounds index); the server starts from different weights,
 and asks for an anchor whenever it could not apply what the trainer sent (a refused patch leaves it behind, even
 when the receiver itself needs no anchor for it).
 Over ``dist`` the patches travel framed (tensors broadcast as they are), over ``dir`` as safetensors files.
-At the end both write their parameters' checksums and counts to OUT/<role>.json.
+At the end both write their parameters' checksums and counts to OUT/<transport>/<role>.json. The transports run one
+after the other, each on fresh models (URL is the directory transport's folder): one launch for them all.
 """
 
 from __future__ import annotations
@@ -149,11 +151,12 @@ def init_method() -> str:
 
 
 def main():
-    role, transport, out = sys.argv[1:4]
-    url = sys.argv[4] if len(sys.argv) > 4 else None
-    result = (trainer if role == "trainer" else server)(transport, out, url)
-    with open(os.path.join(out, f"{role}.json"), "w") as f:
-        json.dump(result, f)
+    role, out, url, *transports = sys.argv[1:]
+    for transport in transports:
+        result = (trainer if role == "trainer" else server)(transport, out, url if transport == "dir" else None)
+        os.makedirs(os.path.join(out, transport), exist_ok=True)
+        with open(os.path.join(out, transport, f"{role}.json"), "w") as f:
+            json.dump(result, f)
 
 
 if __name__ == "__main__":
