@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from conftest import tiny_llama
 from peers.dp_peer import STEPS, step_samples
@@ -65,37 +66,45 @@ def test_two_replicas_equal_one_process(tmp_path):
     assert any(not torch.equal(p.detach(), start[n]) for n, p in single.items())  # the steps did move them
 
 
-def test_replicas_agree_on_when_to_train(tmp_path):
+@pytest.fixture(scope="module")
+def ready_peers(tmp_path_factory):
+    """One two-replica launch of ``peers/ready_peer.py`` through its three reward modes: ``(folder, outputs)``,
+    ``folder/<mode>/rank<r>.json`` each replica's result of a mode and ``outputs`` what the two processes printed."""
+    out = tmp_path_factory.mktemp("ready")
+    port = free_port()
+    procs = [launch([sys.executable, os.path.join(PEERS, "ready_peer.py"), str(out), "both_score", "one_scores",
+                     "none_score"], port, rank) for rank in range(2)]
+    runs = [(p.returncode, log) for p in procs for log, _ in [p.communicate(timeout=300)]]
+    for code, log in runs:
+        assert code == 0, log[-3000:]
+    return out, [log for _, log in runs]
+
+
+def ready_results(folder, mode: str) -> list[dict]:
+    return [json.loads((folder / mode / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_replicas_agree_on_when_to_train(ready_peers):
     """A replica that scores samples faster trains more of each step's samples; every step has exactly
     samples_per_step between the replicas, and both took part in the same number of agreements (no hang)."""
-    for code, out in run_ready_peers(tmp_path, "both_score"):
-        assert code == 0, out[-3000:]
-    fast, slow = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    fast, slow = ready_results(ready_peers[0], "both_score")
     assert [a + b for a, b in zip(fast["shares"], slow["shares"], strict=True)] == [16] * 4
     assert sum(fast["shares"]) > 2 * sum(slow["shares"]) > 0
     assert fast["calls"] == slow["calls"] >= 4
 
 
-def run_ready_peers(tmp_path, mode: str) -> list[tuple[int, str]]:
-    tmp_path.mkdir(exist_ok=True)
-    port = free_port()
-    procs = [launch([sys.executable, os.path.join(PEERS, "ready_peer.py"), str(tmp_path), mode],
-                    port, rank) for rank in range(2)]
-    return [(p.returncode, out) for p in procs for out, _ in [p.communicate(timeout=300)]]
-
-
-def test_replicas_without_signal(tmp_path):
+def test_replicas_without_signal(ready_peers):
     """A replica whose groups carry no signal (a constant reward) trains nothing while the other supplies every
     step; when no replica has any, every one stops with the same error at an agreement, none waits for the rest."""
-    for code, out in run_ready_peers(tmp_path / "one", "one_scores"):
-        assert code == 0, out[-3000:]
-    scoring, silent = (json.loads((tmp_path / "one" / f"rank{r}.json").read_text()) for r in range(2))
+    folder, logs = ready_peers
+    scoring, silent = ready_results(folder, "one_scores")
     assert scoring["shares"] == [16] * 4 and silent["shares"] == [0] * 4
-    runs = run_ready_peers(tmp_path / "none", "none_score")
-    errors = [re.findall(r"RuntimeError: (data-parallel replicas \[[\d, ]+\] can produce no samples.*)", out)
-              for _, out in runs]
-    assert all(code != 0 for code, _ in runs) and errors[0] and errors[0] == errors[1], runs[0][1][-3000:]
-    assert any("two passes over the prompts gave no batch" in out for _, out in runs)  # the stuck one says why
+    stopped = ready_results(folder, "none_score")
+    errors = [re.findall(r"RuntimeError: (data-parallel replicas \[[\d, ]+\] can produce no samples.*)",
+                         r.get("error", "")) for r in stopped]
+    assert errors[0] and errors[0] == errors[1], stopped
+    assert stopped[0]["calls"] == stopped[1]["calls"]  # both stopped at the same agreement
+    assert any("two passes over the prompts gave no batch" in log for log in logs)  # the stuck one says why
 
 
 def test_split_ready():
@@ -129,15 +138,19 @@ def free_port() -> int:
 
 
 def test_torchrun_two_replicas_train(model_dir, tmp_path):
-    """`torchrun --nproc-per-node 2`: each replica rolls out its share, rank 0 writes metrics and the checkpoint,
-    and the replicas end with identical parameters (checked inside the run)."""
+    """Two replicas, first as `torchrun --nnodes 2` of one process each over loopback (two "nodes": LOCAL_RANK is 0
+    on both, only the global rank tells them apart), then resumed as `--nproc-per-node 2`: each replica rolls out its
+    share, the main rank alone writes metrics and the checkpoint, every replica its optimizer shard, and the replicas
+    end with identical parameters (checked inside the run)."""
     out = tmp_path / "run"
     port = free_port()
     peer = os.path.join(PEERS, "train_peer.py")
-    proc = launch([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
-                   peer, model_dir, str(out), "--save_every=2"], port)
-    log, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, log[-4000:]
+    nodes = [launch([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                     f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}", peer, model_dir,
+                     str(out), "--save_every=2"], port) for node in range(2)]
+    for proc in nodes:
+        log, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, log[-4000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["train/loss_tokens"] > 0 and r["optim/changed_frac"] > 0 for r in records)
@@ -158,7 +171,13 @@ def test_a_dead_replica_fails_the_others_instead_of_hanging(model_dir, tmp_path)
     peer = os.path.join(PEERS, "train_peer.py")
     args = [sys.executable, peer, model_dir, str(tmp_path / "run"), "--max_steps=500", "--dist.timeout_s=30"]
     procs = [launch(args, port, rank) for rank in range(2)]
-    time.sleep(15)  # both are training by now
+    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.time() + 240
+    while not (metrics.exists() and metrics.read_text().strip()):  # rank 0 logged a step: both are training
+        if time.time() > deadline or any(p.poll() is not None for p in procs):
+            for p in procs:
+                p.kill()
+            pytest.fail("the replicas did not both reach their first step:\n" + procs[0].communicate()[0][-3000:])
+        time.sleep(0.2)
     procs[1].kill()
     start = time.time()
     log, _ = procs[0].communicate(timeout=120)

@@ -4,6 +4,7 @@ root-level ones included, each patch verified against the trainer's checksums of
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -49,3 +50,54 @@ def test_receiver_holds_the_sharded_trainers_weights(qwen3_dir, tmp_path):  # no
     for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
                  "model.layers.1.mlp.down_proj.weight"):
         assert not torch.equal(start[name], whole[name]), name
+
+
+def test_tensor_parallel_training_with_a_served_generator(qwen3_dir, tmp_path):  # noqa: F811
+    """`torchrun --nproc-per-node 2 -m unison train --dist.tp=2 --sync.mode=sparse`: rank 0 alone asks a `unison serve`
+    server (other weights at first) for the rollouts and both ranks train on them; the patches of the sharded
+    weights keep the server bit-identical to the trainer's final checkpoint."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    from safetensors.torch import load_file
+
+    from unison.engine import Engine, EngineConfig
+    from unison.models import load_policy
+    from unison.serve import GenerationServer, make_handler
+    from unison.sync import checksum
+    from unison.sync.transports import DirectorySender
+
+    model, _ = load_policy(qwen3_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)  # other weights: only the sync makes them the trainer's
+    directory = str(tmp_path / "patches")
+    DirectorySender(directory)  # the directory exists before the server polls it
+    receiver = Receiver(dict(model.named_parameters()))
+    server = GenerationServer(Engine(model, EngineConfig(num_blocks=256, block_size=8, seed=0)), receiver,
+                              DirectorySource(directory, receiver))
+    server.start()
+    http = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(server, timeout=60))
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    out = tmp_path / "run"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+             os.path.join(PEERS, "train_peer.py"), qwen3_dir, str(out), "--dist.tp=2", "--max_steps=2",
+             "--sync.mode=sparse", "--sync.transport=fsspec", f"--sync.fsspec.url={directory}",
+             f"--sync.servers=[http://127.0.0.1:{http.server_address[1]}]"],
+            capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        if server.receiver.version < 2:  # the last patch, at the server's next poll
+            server.source.poll()
+    finally:
+        http.shutdown()
+        server.stop()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(0 < r["sync/elements_frac"] <= 1 and r["reward/mean"] is not None for r in records)
+    assert server.receiver.version == 2 and server.receiver.counts["rejected"] == 0
+    trained = load_file(str(out / "checkpoint" / "model.safetensors"))
+    served = dict(model.named_parameters())
+    assert set(served) <= set(trained)
+    assert all(checksum(served[name]) == checksum(trained[name]) for name in served)

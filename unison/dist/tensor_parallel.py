@@ -302,3 +302,55 @@ def replicated_agree(model: torch.nn.Module, tp: Ranks) -> None:
     """Raise if a replicated parameter differs from rank 0's (they must stay identical)."""
     agree_with_rank0({name: checksum(p) for name, p in model.named_parameters() if not isinstance(p, DTensor)}, tp,
                      "tensor-parallel ranks {} hold replicated parameters that differ from rank 0's")
+
+
+class BroadcastEngine:
+    """The engine protocol for a tensor-parallel group that generates on `unison serve` servers: rank 0 talks to them
+    (``inner``, a ``RemoteEngine``; None on the other ranks) and every call's result is broadcast, so all ranks of the
+    group see the same samples, in the same steps, and take the same decisions on them."""
+
+    def __init__(self, inner, tp: Ranks):
+        self.inner, self.tp = inner, tp
+        self.version = 0
+        self._live: set[str] = set()  # submitted request ids not out of step() yet: num_unfinished on every rank
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._live)
+
+    def _from_rank0(self, call):
+        """``call()`` on rank 0, its result (or the exception it raised) on every rank."""
+        box = [None]
+        if self.tp.is_main:
+            try:
+                box[0] = ("ok", call())
+            except Exception as e:  # raised on every rank alike
+                box[0] = ("error", e)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.tp.group, 0), group=self.tp.group)
+        kind, value = box[0]
+        if kind == "error":
+            raise value
+        return value
+
+    def submit(self, prompt_ids, params=None) -> list[str]:
+        ids = self._from_rank0(lambda: self.inner.submit(prompt_ids, params))
+        self._live.update(ids)
+        return ids
+
+    def step(self):
+        done = self._from_rank0(lambda: self.inner.step())
+        self._live.difference_update(c.request_id for c in done)
+        return done
+
+    def abort(self, request_ids) -> int:
+        request_ids = list(request_ids)
+        return self._from_rank0(lambda: self.inner.abort(request_ids))
+
+    def weights_updated(self, version: int) -> None:
+        self.version = version
+        if self.inner is not None:
+            self.inner.weights_updated(version)
+
+    @contextmanager
+    def lend(self) -> Iterator[int]:
+        yield 0  # the servers' memory is theirs

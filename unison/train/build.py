@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..dist.runtime import ReadyAgreement
-from ..dist.tensor_parallel import BroadcastScorer
+from ..dist.tensor_parallel import BroadcastEngine, BroadcastScorer
 from ..dist.topology import Topology, init_topology
 from ..engine import Engine, EngineConfig
 from ..episodes.loop import MultiTurnRolloutLoop
@@ -27,6 +27,7 @@ from ..rollout.reward_config import build_reward_fns
 from ..rollout.rewards import RewardScorer
 from ..sync.auth import resolve_token
 from ..sync.publisher import WeightPublisher
+from ..sync.sharded import ShardedPublisher
 from ..tasks import Task, load_task
 from .config import TrainConfig
 from .evaluate import Evaluator
@@ -49,8 +50,8 @@ class Run:
     model: torch.nn.Module
     tokenizer: object
     optimizer: MasterAdamW
-    engine: Engine | RemoteEngine
-    publisher: WeightPublisher | None  # generation on `unison serve` servers: the weights go out as patches
+    engine: Engine | RemoteEngine | BroadcastEngine
+    publisher: WeightPublisher | ShardedPublisher | None  # generation on `unison serve` servers: patches go out
     rollout: RolloutLoop
     writer: MetricsWriter | NullMetricsWriter  # rank 0 writes the metrics
     plan: MemoryPlan
@@ -69,8 +70,9 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
     refuse the run (the output folder, the resumed checkpoint, the model's attention) does so before the first
     rollout."""
     topology = init_topology(cfg.dist.tp, cfg.dist.timeout_s, model_device(cfg.model.device))
-    if topology.scaled_out and cfg.sync.mode != "colocated":
-        raise ValueError("data-parallel replicas and tensor parallelism run colocated for now")
+    if topology.dp is not None and cfg.sync.mode != "colocated":
+        raise ValueError("data-parallel replicas run colocated for now (sync.mode=colocated); a tensor-parallel "
+                         "trainer (dist.tp alone) can generate on `unison serve` servers")
     check_run_dir(cfg, topology.is_main, topology.scaled_out)  # fails fast: before the model loads
     saved = load_resume_state(cfg, topology.rank, topology.world) if cfg.resume else None
     seed = cfg.seed + (topology.dp.rank if topology.dp is not None else 0)  # each replica rolls out its own prompts
@@ -136,12 +138,16 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
 
 
 def _engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, topology: Topology, seed: int, longest_prompt: int
-            ) -> tuple[Engine | RemoteEngine, WeightPublisher | None]:
+            ) -> tuple[Engine | RemoteEngine | BroadcastEngine, WeightPublisher | ShardedPublisher | None]:
     """The colocated engine on the trainer's own weights (its KV pool sized for the rollouts in flight unless the
     engine section sizes it), or clients of `unison serve` servers and the publisher that keeps their weights the
     trainer's."""
     if cfg.sync.mode != "colocated":
-        remote = RemoteEngine(cfg.sync.servers, cfg.sync.timeout_s, token=resolve_token(cfg.sync.token))
+        tp = topology.tp  # a tensor-parallel group: rank 0 talks to the servers, the patches come from every rank
+        remote = RemoteEngine(cfg.sync.servers, cfg.sync.timeout_s, token=resolve_token(cfg.sync.token)) \
+            if tp is None or tp.is_main else None
+        if tp is not None:
+            return BroadcastEngine(remote, tp), ShardedPublisher(cfg.sync, synced_params(model), tp)
         return remote, WeightPublisher(cfg.sync, synced_params(model))  # with LoRA: the adapters alone
     # The run's seed drives sampling too, unless the engine section sets its own.
     engine_cfg: EngineConfig = cfg.engine if cfg.engine.seed is not None else dataclasses.replace(cfg.engine, seed=seed)
