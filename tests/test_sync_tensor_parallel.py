@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import torch
-from test_tensor_parallel import PEERS, free_port, qwen3_dir  # noqa: F401  (the fixture)
+from test_tensor_parallel import PEERS, free_port, qwen3_dir, run_two_ranks  # noqa: F401  (the fixture)
 from transformers import AutoModelForCausalLM
 
 from unison.sync.receiver import Receiver
@@ -21,16 +21,7 @@ def test_receiver_holds_the_sharded_trainers_weights(qwen3_dir, tmp_path):  # no
     patches, out = tmp_path / "patches", tmp_path / "out"
     patches.mkdir()
     out.mkdir()
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, os.path.join(PEERS, "tp_sync_peer.py"), qwen3_dir, str(patches),
-                               str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
-             for r in range(2)]
-    for p in procs:
-        log, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, log[-3000:]
-    trainer = torch.load(out / "trainer.pt")
+    trainer, _ = run_two_ranks("tp_sync_peer.py", qwen3_dir, str(patches), out=out)  # rank 0 sent the patches
     sparse = [m for m in trainer["metrics"][1:] if "sync/elements_frac" in m]
     assert len(sparse) == 4 and all(0 < m["sync/elements_frac"] <= 1 for m in sparse)
     assert sparse[0]["sync/elements_frac"] < 0.9  # bf16: the step changed some elements, and only those travelled

@@ -4,8 +4,8 @@ not a test module).
     python tests/peers/tp_sync_peer.py MODEL_DIR PATCH_DIR OUT    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
 
 Loads the model in bf16 sharded across the two ranks, sends the restart anchor into PATCH_DIR (the fsspec
-transport), then trains STEPS steps on random samples, each followed by the sparse patch of the whole model. Rank 0
-saves the trainer's whole state dict and the sync metrics to OUT/trainer.pt.
+transport), then trains STEPS steps on random samples, each followed by the sparse patch of the whole model. Each rank
+saves the trainer's whole state dict and its sync metrics to OUT/rank<r>.pt.
 """
 
 from __future__ import annotations
@@ -56,8 +56,7 @@ def main():
         metrics.append(publisher.after_step(step, optimizer.changed_masks))
     whole = full_state_dict(model)
     publisher.close()
-    if topology.tp.is_main:
-        torch.save({"params": whole, "metrics": metrics}, os.path.join(out, "trainer.pt"))
+    torch.save({"params": whole, "metrics": metrics}, os.path.join(out, f"rank{topology.tp.rank}.pt"))
     dist.destroy_process_group()
 
 
