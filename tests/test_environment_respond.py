@@ -14,9 +14,10 @@ import time
 
 import pytest
 from multiturn_helpers import ScriptedEngine, byte_tokenizer, one_thread  # noqa: F401
+from test_environments import _spans
+from test_environments import make_loop as environments_loop
 
-from unison.episodes import EpisodeConfig, MultiTurnRolloutLoop, environment_tools
-from unison.rollout.loop import RolloutConfig
+from unison.episodes import EpisodeConfig, environment_tools
 from unison.tasks import DataConfig, load_task
 from unison.tasks.gym import ANSWER_FORMAT
 from unison.tasks.multiturn import TRY_AGAIN, SumFeedback
@@ -41,13 +42,12 @@ def player(req, context: str) -> str:
 
 
 def make_loop(env_factory=SumFeedback, episode=None, size=4, script=player, **cfg):
+    """tests/test_environments.make_loop on the built-in sum_feedback task, with its rewards."""
     task = load_task(DataConfig(source="sum_feedback", size=size))
     tok = byte_tokenizer()
-    base = dict(group_size=4, samples_per_step=4, max_concurrent_rollouts=4, max_new_tokens=48)
-    base.update(cfg)
-    return MultiTurnRolloutLoop(ScriptedEngine(tok, script), tok, task.rows, task.reward_fns, RolloutConfig(**base),
-                                stop_token_ids=[257], max_sample_tokens=2048,
-                                episode_cfg=episode or EpisodeConfig(max_turns=3), environment_factory=env_factory)
+    cfg = dict(max_concurrent_rollouts=4, max_new_tokens=48) | cfg
+    return environments_loop(env_factory, task.reward_fns, tok, episode or EpisodeConfig(max_turns=3),
+                             ScriptedEngine(tok, script), data=task.rows, **cfg)
 
 
 def test_the_environments_reply_is_a_user_message_of_context_tokens_and_none_ends_the_episode():
@@ -218,13 +218,3 @@ def test_sum_feedback_rows_build_from_reasoning_gym_and_its_replies_are_exact():
     assert env.solved and env.solved_at == 4 and env.attempts == 4
     with pytest.raises(ValueError, match="numeric answer"):
         SumFeedback().reset(answer="seven")
-
-
-def _spans(mask):
-    """(start, end, is_model) runs of the mask."""
-    spans, start = [], 0
-    for i in range(1, len(mask) + 1):
-        if i == len(mask) or mask[i] != mask[start]:
-            spans.append((start, i, mask[start]))
-            start = i
-    return spans

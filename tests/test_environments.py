@@ -51,12 +51,14 @@ def rows(secrets=(7, 3, 6, 2)):
     return [{"prompt": "Find my number from 1 to 8.", "secret": s, "high": 8, "answer": str(s)} for s in secrets]
 
 
-def make_loop(env_factory=GuessNumber, reward_fns=None, tokenizer=None, episode=None, engine=None, **cfg):
+def make_loop(env_factory=GuessNumber, reward_fns=None, tokenizer=None, episode=None, engine=None, data=None,
+              **cfg):
+    """A multi-turn loop on the scripted engine (``data``: the task's rows, by default ``rows()``)."""
     tok = tokenizer or byte_tokenizer()
     engine = engine or ScriptedEngine(tok, player)
     base = dict(group_size=4, samples_per_step=4, max_concurrent_rollouts=8, max_new_tokens=64)
     base.update(cfg)
-    return MultiTurnRolloutLoop(engine, tok, rows(), reward_fns or [(solved, 1.0), (guessed, 0.2)],
+    return MultiTurnRolloutLoop(engine, tok, data or rows(), reward_fns or [(solved, 1.0), (guessed, 0.2)],
                                 RolloutConfig(**base), stop_token_ids=[257], max_sample_tokens=2048,
                                 episode_cfg=episode or EpisodeConfig(max_turns=6), environment_factory=env_factory)
 

@@ -11,6 +11,9 @@ import torch
 
 from . import vmm
 
+# ``layer_types`` of layers without attention (Qwen3-Next / Qwen3.5 gated delta-nets, Lfm2 short convs).
+STATE_LAYER_TYPES = ("linear_attention", "conv", "mamba")
+
 
 @dataclass(frozen=True)
 class LayerKV:
@@ -63,9 +66,6 @@ def kv_widths(text_config, tp: int = 1, mla_cache: str = "latent") -> list[Layer
     types = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
     return [LayerKV(0 if kind in STATE_LAYER_TYPES else kv_heads // tp, key_dim, value_dim) for kind in types]
 
-
-# ``layer_types`` of layers without attention (Qwen3-Next / Qwen3.5 gated delta-nets, Lfm2 short convs).
-STATE_LAYER_TYPES = ("linear_attention", "conv", "mamba")
 
 
 class KVPool(vmm.LendsMemory):
