@@ -143,10 +143,6 @@ class StatePool(vmm.LendsMemory):
                 self.recurrent[s.layer_idx] = self.storage[offset:offset + size].view(num_slots, *s.recurrent)
                 offset += size
 
-    @property
-    def bytes_per_sequence(self) -> int:
-        return self.nbytes // self.num_slots
-
     def copy_slot(self, src: int, dst: int) -> None:
         """Every layer's state of sequence ``src`` into ``dst`` (a group's sample starting from its prompt's)."""
         for views in (self.conv, self.recurrent):

@@ -18,9 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..bits import checksum
 from ..dist.topology import Ranks
-from .codec import Patch
+from .codec import Patch, anchor_patch, sparse_patch
 from .publisher import SyncConfig, build_sender
 
 
@@ -63,16 +62,15 @@ class ShardedPublisher:
         for name, param in self.params.items():
             if masks is not None and name not in masks:
                 continue
-            whole = _whole(param.detach())
-            if masks is None:
-                if main:
-                    patch.values[name], patch.checksums[name] = whole.cpu().clone(), checksum(whole)
-                continue
-            mask = _whole_mask(masks[name], param).reshape(-1)
-            if main and bool(mask.any()):
-                idx = mask.nonzero().squeeze(1)
-                patch.indices[name], patch.values[name] = idx.cpu(), whole.reshape(-1)[idx].cpu()
-                patch.checksums[name] = checksum(whole)
+            whole = {name: _whole(param.detach())}
+            mask = None if masks is None else {name: _whole_mask(masks[name], param)}
+            if main:  # this tensor's part, as a single-process trainer's publisher builds it
+                to_host = self.sender.to_host  # dist sends from the device
+                part = anchor_patch(whole, version, to_host) if mask is None else \
+                    sparse_patch(whole, mask, version - 1, version, to_host)
+                patch.indices.update(part.indices)
+                patch.values.update(part.values)
+                patch.checksums.update(part.checksums)
         return patch if main else None
 
     def _deliver(self, patch: Patch | None, version: int, anchor: bool) -> tuple[int, int]:
