@@ -8,8 +8,12 @@ tokens, T=1, no stop tokens), decode steps against graph steps, and the phases o
 under torch.profiler, through the CUDA graphs and eagerly (``cuda_graphs=False``, where the MoE block's host syncs
 would show), with the top kernels and CPU ops by self time and the count of each host-sync op per step. Last,
 one MoE layer's experts alone at the decode shapes (transformers' ``grouped_mm`` path, its two grouped GEMMs
-alone, and a fixed-capacity ``bmm`` over every expert), each replayed as a CUDA graph, against reading the weights
-of the experts the router hit once. Diagnostics: numbers, not a test.
+alone, a fixed-capacity ``bmm`` over every expert, and unison's Triton experts with their routing alignment alone),
+each replayed as a CUDA graph, against reading the weights of the experts the router hit once. Diagnostics:
+numbers, not a test.
+
+The engine rows run with ``EngineConfig.moe_kernel`` from ``--moe-kernel`` (unison's Triton experts by default);
+the "moe_transformers" run is the same model on transformers' experts path, so one run shows both.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ import argparse
 import json
 import time
 from contextlib import contextmanager
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
 from engine import commit, machine_ceilings, prompts_for, sync
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
-from unison.engine import Engine, EngineConfig, SamplingParams, fused_norm, fused_rope
+from unison.engine import Engine, EngineConfig, SamplingParams, fused_norm, fused_rope, triton_moe
 
 # 16 layers of Qwen3-30B-A3B's layer shape: 10.6B parameters (untied head), 0.9B active per token.
 SHAPES = {
@@ -81,6 +86,7 @@ def wait_prefilled(engine: Engine) -> None:
 
 
 def run_engine(model, prompts, new: int, device: str, **engine_kw) -> tuple[dict, Engine]:
+    """``engine_kw``: further EngineConfig fields (moe_kernel)."""
     blocks = len(prompts) * -(-(len(prompts[0]) + new + 64) // 16) + 8
     engine = Engine(model, EngineConfig(num_blocks=blocks, block_size=16, seed=0, max_batch_tokens=8192,
                                         max_num_seqs=len(prompts), **engine_kw))
@@ -253,6 +259,10 @@ def experts_microbench(moe_model, dense_model, tokens: int, device: str, copy_bw
         return torch.bmm(act, w_down).sum(0)
 
     reference = ex(x, idx, weights)
+    sizes = triton_moe.block_sizes(tokens * k, e, x.dtype)
+
+    def unison_experts():
+        return triton_moe.fused_experts(x, idx, weights, ex.gate_up_proj, ex.down_proj, sizes)
     expert_bytes = (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel()) * x.element_size()
     dense_bytes = sum(p.numel() for p in dense_mlp.parameters()) * x.element_size()
     out = {
@@ -268,11 +278,38 @@ def experts_microbench(moe_model, dense_model, tokens: int, device: str, copy_bw
         "every_expert_max_abs_diff": float((every_expert() - reference).abs().max()),
         "reference_max_abs": float(reference.abs().max()),
         "dense_mlp_same_active": timed_ms(lambda: dense_mlp(x), device),
+        "unison_block_sizes": asdict(sizes),
     }
+    if device == "cuda" or triton_moe._INTERPRET:  # the CPU: only in Triton's interpreter (TRITON_INTERPRET=1)
+        out["unison_triton_experts"] = timed_ms(unison_experts, device, reps=20 if device == "cuda" else 1)
+        out["unison_align_only"] = timed_ms(lambda: triton_moe.align(idx, e, sizes.block_m), device)
+        out["unison_max_abs_diff"] = float((unison_experts().float() - reference.float()).abs().max())
     if copy_bw:
         out["ideal_ms_hit_experts"] = 1e3 * hit * expert_bytes / copy_bw
         out["ideal_ms_dense_mlp"] = 1e3 * dense_bytes / copy_bw
+        for row in ("transformers_grouped_mm_forward", "unison_triton_experts"):
+            if row in out:
+                out[f"{row}_fraction_of_copy_bw"] = out["ideal_ms_hit_experts"] / out[row]["ms"]
     return out
+
+
+@torch.inference_mode()
+def experts_prefill(moe_model, tokens: int, device: str) -> dict:
+    """One layer's experts at a prefill chunk of ``tokens`` rows: transformers' grouped_mm against unison's kernels
+    (compute-bound here, where the decode rows are memory-bound)."""
+    mlp = moe_model.model.layers[0].mlp
+    ex = mlp.experts
+    x = torch.randn(tokens, ex.gate_up_proj.shape[2], device=device, dtype=ex.gate_up_proj.dtype)
+    _, weights, idx = mlp.gate(x)
+    reference = ex(x, idx, weights)
+    flops = 2 * 3 * idx.numel() * ex.gate_up_proj.shape[2] * ex.down_proj.shape[2]
+    sizes = triton_moe.block_sizes(idx.numel(), ex.gate_up_proj.shape[0], x.dtype)
+    ours = timed_ms(lambda: triton_moe.fused_experts(x, idx, weights, ex.gate_up_proj, ex.down_proj, sizes), device)
+    theirs = timed_ms(lambda: ex(x, idx, weights), device)
+    diff = triton_moe.fused_experts(x, idx, weights, ex.gate_up_proj, ex.down_proj, sizes).float() - reference.float()
+    return {"tokens": tokens, "unison_block_sizes": asdict(sizes), "transformers_grouped_mm_forward": theirs,
+            "unison_triton_experts": ours, "unison_max_abs_diff": float(diff.abs().max()),
+            "transformers_tflops": flops / theirs["ms"] / 1e9, "unison_tflops": flops / ours["ms"] / 1e9}
 
 
 def roofline(model, concurrency: int, context: int, hit_fraction: float, bw: float) -> dict:
@@ -294,8 +331,11 @@ def main():
     p.add_argument("--concurrency", default="64,256")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=128)
-    p.add_argument("--models", default="moe,moe_fused,dense",
-                   help="moe, dense, moe_fused (moe with RMSNorm/RoPE fused as for the dense classes)")
+    p.add_argument("--models", default="moe,moe_transformers,dense",
+                   help="moe, dense, moe_transformers (moe on transformers' experts path, whatever --moe-kernel), "
+                        "moe_fused (moe with RMSNorm/RoPE fused as for the dense classes)")
+    p.add_argument("--moe-kernel", default="triton", choices=["triton", "transformers"],
+                   help="EngineConfig.moe_kernel of the engine runs (transformers: the rows before unison's kernels)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -307,6 +347,7 @@ def main():
     for kind, model in models.items():
         report[f"{kind}_params_b"] = sum(p.numel() for p in model.parameters()) / 1e9
     report["experts_implementation"] = models["moe"].config._experts_implementation
+    report["moe_kernel"] = args.moe_kernel
 
     def save():
         if args.json:
@@ -317,9 +358,10 @@ def main():
         prompts = prompts_for(SHAPES[args.shape]["vocab_size"], conc, args.prompt)
         for kind in args.models.split(","):
             name, model = f"{kind}/{conc}", models[kind.split("_")[0]]
+            moe_kernel = "transformers" if kind == "moe_transformers" else args.moe_kernel
             try:
                 with moe_classes_fused(kind == "moe_fused"):
-                    entry, engine = run_engine(model, prompts, args.new, args.device)
+                    entry, engine = run_engine(model, prompts, args.new, args.device, moe_kernel=moe_kernel)
                     entry["profile_graphs"] = profile_decode(engine, prompts, args.device)
             except Exception as e:  # a what-if that fails is a result too; the other runs go on
                 report["runs"][name] = {"error": repr(e)[:500]}
@@ -327,11 +369,13 @@ def main():
                 continue
             if kind == "moe":
                 eager = Engine(model, EngineConfig(num_blocks=conc * 20 + 8, max_batch_tokens=8192,
-                                                   max_num_seqs=conc, cuda_graphs=False))
+                                                   max_num_seqs=conc, cuda_graphs=False, moe_kernel=moe_kernel))
                 entry["profile_eager"] = profile_decode(eager, prompts, args.device, steps=2, stack=True)
                 entry["routing"] = routing_stats(model, eager, prompts)
                 entry["experts_layer"] = experts_microbench(models["moe"], models["dense"], conc, args.device,
                                                             ceilings["copy_bytes_per_s"])
+                if args.device == "cuda" and "experts_prefill" not in report:
+                    report["experts_prefill"] = [experts_prefill(models["moe"], t, args.device) for t in (2048, 8192)]
                 del eager
             bw = ceilings["copy_bytes_per_s"]
             experts, top_k = SHAPES[args.shape]["num_experts"], SHAPES[args.shape]["num_experts_per_tok"]
@@ -349,13 +393,13 @@ def main():
                   f"({entry['decode_tokens_per_s']:.0f} tok/s), graph {entry['graph_steps']}/{entry['steps']} steps, "
                   f"kernels {g['kernel_ms_per_step']:.2f} ms/step in {g['kernels_per_step']:.0f} launches", flush=True)
             save()
-    print(f"{'run':12s} {'tok/s':>8s} {'decode tok/s':>12s} {'ms/step':>8s} {'kern ms':>8s} {'graph/steps':>11s} "
+    print(f"{'run':20s} {'tok/s':>8s} {'decode tok/s':>12s} {'ms/step':>8s} {'kern ms':>8s} {'graph/steps':>11s} "
           f"{'roofline':>9s}")
     for name, e in report["runs"].items():
         if "error" in e:
             continue
         r = e.get("roofline_measured_bw", {}).get("tokens_per_s", 0)
-        print(f"{name:12s} {e['tokens_per_s']:8.0f} {e['decode_tokens_per_s']:12.0f} {e['ms_per_decode_step']:8.2f} "
+        print(f"{name:20s} {e['tokens_per_s']:8.0f} {e['decode_tokens_per_s']:12.0f} {e['ms_per_decode_step']:8.2f} "
               f"{e['profile_graphs']['kernel_ms_per_step']:8.2f} {e['graph_steps']:>5d}/{e['steps']:<5d} {r:9.0f}")
     for name, e in report["runs"].items():
         if "experts_layer" in e:
@@ -367,6 +411,16 @@ def main():
                   f" {x['capacity']} {x['bmm_fixed_capacity_up_down']['ms']:.3f}, every expert "
                   f"{x['every_expert_bmm']['ms']:.3f} (diff {x['every_expert_max_abs_diff']:.2g}), dense mlp "
                   f"{x['dense_mlp_same_active']['ms']:.3f}, ideal {x.get('ideal_ms_hit_experts', 0):.3f} ms")
+            if "unison_triton_experts" in x:
+                u = x["unison_triton_experts"]
+                print(f"{name} unison triton experts {u['ms']:.3f} ms (graph {u['graph']}, diff "
+                      f"{x['unison_max_abs_diff']:.2g}, {x.get('unison_triton_experts_fraction_of_copy_bw', 0):.0%} "
+                      f"of copy bw), align alone {x['unison_align_only']['ms']:.3f} ms")
+    for x in report.get("experts_prefill", []):
+        hf = x["transformers_grouped_mm_forward"]
+        print(f"experts layer at prefill {x['tokens']} tokens: hf grouped_mm {hf['ms']:.3f} ms "
+              f"({x['transformers_tflops']:.0f} TFLOP/s), unison {x['unison_triton_experts']['ms']:.3f} ms "
+              f"({x['unison_tflops']:.0f} TFLOP/s), diff {x['unison_max_abs_diff']:.2g}")
 
 
 if __name__ == "__main__":

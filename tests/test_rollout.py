@@ -12,7 +12,7 @@ from conftest import tiny_llama, tiny_tokenizer
 from unison.engine import Engine, EngineConfig, SamplingParams
 from unison.rollout import remote
 from unison.rollout.advantage import group_advantages
-from unison.rollout.loop import RolloutConfig, RolloutLoop
+from unison.rollout.loop import RolloutConfig, RolloutLoop, encode_prompt
 from unison.rollout.rewards import RewardScorer
 
 
@@ -205,7 +205,7 @@ def test_samples_never_outgrow_the_training_row():
     """A long prompt's completion is cut to fit the trainer's packed row (finish "length"); a prompt that fills the
     row is skipped and counted, not a crash of the training step."""
     loop = make_loop([(count_w7, 1.0)], max_sample_tokens=14, samples_per_step=16)
-    prompt_tokens = [len(loop._encode(r["prompt"])) for r in loop.rows]
+    prompt_tokens = [len(encode_prompt(loop.tokenizer, r["prompt"])) for r in loop.rows]
     assert max(prompt_tokens) > 14 - 10 and min(prompt_tokens) < 14  # some are cut, some fit
     loop.rows.append({"prompt": " ".join(["w9"] * 20), "answer": "x"})
     loop.order = [len(loop.rows) - 1]  # the too-long one comes first

@@ -149,7 +149,7 @@ def test_sampling_options_in_the_rollout_config_and_serve_requests():
                      ('--rollout.stop=[""]', "stop")):
         with pytest.raises(ConfigError, match=key):
             load_config(TrainConfig, overrides=[bad])
-    _, p = parse_completion_request(b'{"prompt": [5], "min_p": 0.1, "repetition_penalty": 1.2, "stop": "\\n"}', 8)
+    _, p, _ = parse_completion_request(b'{"prompt": [5], "min_p": 0.1, "repetition_penalty": 1.2, "stop": "\\n"}', 8)
     assert (p.min_p, p.repetition_penalty, p.stop) == (0.1, 1.2, ("\n",))
     for body, key in ((b'{"prompt": [5], "min_p": -0.1}', "min_p"), (b'{"prompt": [5], "min_p": "a"}', "min_p"),
                       (b'{"prompt": [5], "repetition_penalty": 0}', "repetition_penalty"),

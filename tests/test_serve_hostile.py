@@ -388,8 +388,8 @@ def test_training_over_http_with_64_requests_at_once_and_a_token(tmp_path, model
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     waiting, peak, real_complete = set(), [0], GenerationServer.complete
 
-    def counted(self, prompt, params):  # how many completion requests the HTTP threads wait on at once
-        future = real_complete(self, prompt, params)
+    def counted(self, prompt, params, images=None):  # how many completion requests the HTTP threads wait on at once
+        future = real_complete(self, prompt, params, images)
         waiting.add(future)
         peak[0] = max(peak[0], len(waiting))
         future.add_done_callback(waiting.discard)

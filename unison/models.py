@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from unison.chat_templates import (
     CHATML_TEMPLATE,  # noqa: F401  (re-exported: tests build ChatML tokenizers with it)
@@ -38,6 +45,7 @@ from unison.dist.tensor_parallel import parallelize
 from unison.dist.topology import Topology
 from unison.engine.attention import ATTN_NAME
 from unison.lora import LoraConfig, apply_lora, load_adapter, shard_adapters
+from unison.vision.model import freeze_vision
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +80,9 @@ class ModelConfig:
     chat_template: str = ""
     """A Jinja chat template, or the path of a file holding one, used instead of the tokenizer's. Empty: the
     tokenizer's own; where it has none, its family's (ChatML, Gemma, Llama 3, GLM-4) when its tokens say which."""
+    train_vision: bool = False
+    """A vision-language model's vision tower (encoder and projector): trained with the language model, or frozen
+    (false: its rows are computed once per prompt, shared by the engine's prefill and the training forward)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (``lora.r > 0``): train them alone on the frozen base, through PEFT (``unison.lora``)."""
 
@@ -99,7 +110,8 @@ def model_dtype(dtype: str, device: str) -> str:
 
 def load_policy(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = "auto",
                 device: str | torch.device = "cpu", topology: Topology | None = None, chat_template: str = "",
-                lora: LoraConfig | None = None, adapter: str = "") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+                lora: LoraConfig | None = None, adapter: str = "", train_vision: bool = False
+                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Return ``(model, tokenizer)``, the model on ``attn_implementation="unison"``, in eval mode.
 
     ``dtype="auto"`` keeps the checkpoint's dtype (float32 for the converted GGUF models). A ``topology`` with
@@ -107,7 +119,8 @@ def load_policy(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = "a
     (``unison.dist.tensor_parallel.parallelize``). ``chat_template``: ``ModelConfig.chat_template``. ``lora`` (enabled)
     wraps the model's target layers with LoRA adapters (``unison.lora``; under tensor parallelism sharded like their
     base, ``unison.lora.shard_adapters``), loaded from the checkpoint folder ``adapter`` where one is named (a resumed
-    LoRA run).
+    LoRA run). A vision-language model loads as its image-text-to-text class, the vision tower frozen unless
+    ``train_vision``; ``load_processor`` gives its processor.
 
     >>> model, tok = load_policy()                       # doctest: +SKIP
     >>> stop_token_ids(tok, model)                        # doctest: +SKIP
@@ -116,7 +129,13 @@ def load_policy(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = "a
     folder, local_only = resolve_model(name_or_path)
     kwargs = {"local_files_only": local_only}
     tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTN_NAME, **kwargs)
+    # A vision-language model (its config has a vision_config): the image-text-to-text class, its tower frozen
+    # unless train_vision (unison.vision.model).
+    vision = getattr(AutoConfig.from_pretrained(folder, **kwargs), "vision_config", None) is not None
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = auto.from_pretrained(folder, dtype=dtype, attn_implementation=ATTN_NAME, **kwargs)
+    if vision:
+        freeze_vision(model, train_vision)
     tp = topology is not None and topology.tp is not None
     lora = lora if lora is not None and lora.enabled else None
     if lora is not None:  # on the whole layers: PEFT sizes an adapter by its base's local shard once that is sharded
@@ -133,6 +152,14 @@ def load_policy(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = "a
         tokenizer.chat_template = _read_template(chat_template)
     _check_tokenizer(tokenizer, model)
     return model, tokenizer
+
+
+def load_processor(name_or_path: str):
+    """The processor (image processing, chat template, tokenizer) of a vision-language model."""
+    from unison.vision.processors import load_processor as load
+
+    folder, local_only = resolve_model(name_or_path)
+    return load(folder, local_files_only=local_only)
 
 
 def resolve_model(name_or_path: str) -> tuple[str, bool]:
@@ -267,7 +294,8 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | 
     ids: list[int] = []
     sources = [tokenizer.eos_token_id]
     if model is not None:
-        sources += [getattr(model.generation_config, "eos_token_id", None), model.config.eos_token_id]
+        sources += [getattr(model.generation_config, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
+                    getattr(model.config.get_text_config(), "eos_token_id", None)]
     sources += [turn_end_ids(tokenizer), tokenizer.get_vocab().get("<|im_end|>")]
     for s in sources:
         for i in s if isinstance(s, list | tuple) else [s]:

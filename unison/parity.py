@@ -31,6 +31,10 @@ from .engine.lm_head import lm_head_fp32
 from .rollout.sample import Sample
 from .train.logprobs import policy_logprobs
 from .train.packing import pack_samples
+from .vision.images import pil
+from .vision.messages import chat_messages
+from .vision.model import family_of, image_token_id, scored_tokens
+from .vision.prompt import ImagePrompter
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +76,17 @@ class ParityReport:
 
 
 def check_parity(model: torch.nn.Module, engine_config: EngineConfig | None = None, topology: Topology | None = None,
-                 num_prompts: int = 3, samples_per_prompt: int = 2, new_tokens: int = 8, seed: int = 0
-                 ) -> ParityReport:
+                 num_prompts: int = 3, samples_per_prompt: int = 2, new_tokens: int = 8, seed: int = 0,
+                 images: ImagePrompter | None = None) -> ParityReport:
     """Refuse (ParityError naming the class and the gap) a model whose engine or packed-training logprobs differ
     from its own forward's beyond ``TOLERANCE``; returns the measured gaps otherwise.
 
     ``engine_config``: the run's, whose backend, block size and CUDA graphs the guard's small engine keeps.
     ``topology``: the run's, under tensor parallelism (every rank calls the guard). The model's parameters,
     attention implementation and train/eval mode are as before afterwards. Errors unison raises itself for a
-    feature it refuses (a softcap in its attention, an unknown head transform) come out as they are.
+    feature it refuses (a softcap in its attention, an unknown head transform) come out as they are. ``images``: a
+    vision-language model's prompter; one more prompt then holds a random image, which the model's own forward takes
+    as pixels (its own image merging and positions).
     """
     t0 = time.perf_counter()
     name = type(model).__name__
@@ -89,9 +95,12 @@ def check_parity(model: torch.nn.Module, engine_config: EngineConfig | None = No
     was_training = model.training
     model.eval()
     try:
-        samples = _engine_samples(model, engine_config, topology, num_prompts, samples_per_prompt, new_tokens, seed)
-        engine = torch.cat([torch.tensor(s.engine_logprobs) for s in samples])
-        trainer = _trainer_logprobs(model, samples, topology)
+        samples = _engine_samples(model, engine_config, topology, num_prompts, samples_per_prompt, new_tokens, seed,
+                                  images)
+        kept = [scored_tokens(model, s.completion_ids) if s.images is not None else len(s.completion_ids)
+                for s in samples]
+        engine = torch.cat([torch.tensor(s.engine_logprobs[:n]) for s, n in zip(samples, kept, strict=True)])
+        trainer = torch.cat([t[:n] for t, n in zip(_trainer_logprobs(model, samples, topology), kept, strict=True)])
         with _reference_mode(model):
             reference = torch.cat([_reference_logprobs(model, s) for s in samples])
     finally:
@@ -121,42 +130,66 @@ def _tolerance(dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
     return TOLERANCE[dtype]
 
 
-def _engine_samples(model, engine_config, topology, num_prompts, samples_per_prompt, new_tokens, seed) -> list[Sample]:
+def _engine_samples(model, engine_config, topology, num_prompts, samples_per_prompt, new_tokens, seed,
+                    images: ImagePrompter | None = None) -> list[Sample]:
     """Random prompts of 5 to 24 tokens, each sampled ``samples_per_prompt`` times at temperature 1 over the whole
-    vocabulary (the engine's logprob of a token is then log softmax(logits) of it, what the reference computes)."""
+    vocabulary (the engine's logprob of a token is then log softmax(logits) of it, what the reference computes),
+    and with ``images`` one chat prompt holding a random 64 x 64 image."""
     vocab = model.get_output_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist()
+    prompts = [(torch.randint(0, vocab, (int(n),), generator=g).tolist(), None)
                for n in torch.randint(5, 25, (num_prompts,), generator=g)]
+    if images is not None:
+        pixels = torch.randint(0, 256, (64, 64, 3), generator=g, dtype=torch.uint8).numpy()
+        picture = pil().fromarray(pixels)
+        prompts.append(images(chat_messages("Describe the image.", [picture]), [picture]))
     base = engine_config or EngineConfig()
+    longest = max(len(ids) for ids, _ in prompts)
     # Prefill chunks of 16 tokens, so the longer prompts take several; room for every request in the pool.
-    requests = num_prompts * samples_per_prompt
-    cfg = dataclasses.replace(base, num_blocks=requests * -(-(24 + new_tokens) // base.block_size),
+    requests = len(prompts) * samples_per_prompt
+    cfg = dataclasses.replace(base, num_blocks=requests * -(-(longest + new_tokens) // base.block_size),
                               max_batch_tokens=16, max_num_seqs=requests, max_model_len=None, seed=seed)
     engine = Engine(model, cfg, topology=topology)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, n=samples_per_prompt, stop_token_ids=(),
                             seed=seed)
-    return [Sample(tuple(c.prompt_ids), tuple(c.token_ids), tuple(c.logprobs), tuple(c.weight_versions), 0.0, 0.0)
-            for c in engine.generate(prompts, params)]
+    of_request = {}
+    for ids, prompt_images in prompts:
+        submitted = engine.submit(ids, params, images=prompt_images) if prompt_images is not None \
+            else engine.submit(ids, params)
+        of_request.update(dict.fromkeys(submitted, prompt_images))
+    done = {}
+    while engine.num_unfinished:
+        done.update((c.request_id, c) for c in engine.step())
+    return [Sample(tuple(c.prompt_ids), tuple(c.token_ids), tuple(c.logprobs), tuple(c.weight_versions), 0.0, 0.0,
+                   images=of_request[rid]) for rid, c in ((rid, done[rid]) for rid in of_request)]
 
 
 @torch.no_grad()
-def _trainer_logprobs(model, samples: list[Sample], topology) -> torch.Tensor:
+def _trainer_logprobs(model, samples: list[Sample], topology) -> list[torch.Tensor]:
     """Every sample packed into one row, scored by the training step's forward; returned in ``samples`` order."""
     (row,) = pack_samples(samples, max_tokens_per_row=sum(s.num_tokens for s in samples), pad_id=0)
     with local_forward(model, topology)(train=True):
         logp, _ = policy_logprobs(model, row.to(next(model.parameters()).device))
     logp = logp.cpu().split([len(samples[i].completion_ids) for i in row.sample_index])
     by_sample = dict(zip(row.sample_index, logp, strict=True))
-    return torch.cat([by_sample[i] for i in range(len(samples))])
+    return [by_sample[i] for i in range(len(samples))]
 
 
 @torch.no_grad()
 def _reference_logprobs(model, sample: Sample) -> torch.Tensor:
     """log softmax of the model's own logits at the completion tokens. Returns (C,) float32 on the CPU."""
-    ids = torch.tensor([list(sample.prompt_ids) + list(sample.completion_ids)], device=model.device)
-    logits = model(input_ids=ids, use_cache=False).logits[0, len(sample.prompt_ids) - 1:-1].float()
-    targets = ids[0, len(sample.prompt_ids):, None]
+    completion = list(sample.completion_ids)
+    if sample.images is not None:  # scored up to a sampled image placeholder: the model would take it for an image
+        completion = completion[:scored_tokens(model, completion)]
+    ids = torch.tensor([list(sample.prompt_ids) + completion[:-1]], device=model.device)
+    extra = {}
+    if sample.images is not None:  # the pixels, as the model's own forward takes them
+        extra = dict(sample.images.pixels)
+        if family_of(model).mrope:  # Qwen's positions: image tokens are type 1, the rest text
+            extra["mm_token_type_ids"] = (ids == image_token_id(model)).long()
+            model.model.rope_deltas = None  # the last call's, cached
+    logits = model(input_ids=ids, use_cache=False, **extra).logits[0, len(sample.prompt_ids) - 1:].float()
+    targets = torch.tensor(completion, device=logits.device)[:, None]
     return torch.log_softmax(logits, -1).gather(1, targets).squeeze(1).cpu()
 
 

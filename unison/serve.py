@@ -40,15 +40,18 @@ from typing import ClassVar
 
 import torch
 
-from .config import ConfigError
+from .config import ConfigError, InvalidInputError
 from .engine import Completion, Engine, EngineConfig, SamplingParams
 from .lora import synced_params
-from .models import ModelConfig, load_policy, model_device, model_dtype
+from .models import ModelConfig, load_policy, load_processor, model_device, model_dtype
 from .parity import check_parity
 from .serve_request import RequestError, parse_completion_request, to_json
 from .sync import Receiver, checksum
 from .sync.auth import TOKEN_ENV, check_authorization, resolve_token
 from .sync.transports import Inbox, Source, SourceConfig, build_source
+from .vision.images import load_image
+from .vision.model import is_vision_model
+from .vision.prompt import ImagePrompter
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +98,12 @@ class _Group:
 
 class GenerationServer:
     """The engine thread and what it serves. ``source``: where patches come from besides the POSTs that ``inbox``
-    takes (``unison.sync.transports.build_source``)."""
+    takes (``unison.sync.transports.build_source``); ``images``: a vision-language model's prompter."""
 
-    def __init__(self, engine: Engine, receiver: Receiver, source: Source | None = None):
+    def __init__(self, engine: Engine, receiver: Receiver, source: Source | None = None,
+                 images: ImagePrompter | None = None):
         self.engine = engine
+        self.images = images  # a vision-language model's: requests with images go through its tower
         self.receiver = receiver
         self.inbox = Inbox(receiver)
         self.source = source
@@ -116,9 +121,10 @@ class GenerationServer:
         self.stopped.set()
         self.thread.join(timeout=10)
 
-    def complete(self, prompt: list[int], params: SamplingParams) -> Future:
+    def complete(self, prompt: list[int], params: SamplingParams, images: list | None = None) -> Future:
+        """``images``: a vision-language prompt's images (PIL), run through the tower on the engine thread."""
         future: Future = Future()
-        self.requests.put((prompt, params, future))
+        self.requests.put((prompt, params, images, future))
         return future
 
     def checksums(self) -> Future:
@@ -176,14 +182,19 @@ class GenerationServer:
     def _admit(self) -> None:
         while True:
             try:
-                prompt, params, future = self.requests.get_nowait()
+                prompt, params, images, future = self.requests.get_nowait()
             except queue.Empty:
                 return
             if not self.receiver.weights_valid:
                 future.set_exception(RuntimeError("no weights that match the trainer's: waiting for an anchor"))
                 continue
             try:
-                ids = self.engine.submit(prompt, params)
+                if images:
+                    if self.images is None:
+                        raise ValueError(f"{type(self.engine.model).__name__} is a text-only model: it takes no images")
+                    ids = self.engine.submit(prompt, params, images=self.images.from_ids(prompt, images))
+                else:
+                    ids = self.engine.submit(prompt, params)
             except Exception as e:  # whatever this request's fault, it fails alone
                 future.set_exception(e)
                 continue
@@ -250,11 +261,12 @@ def make_handler(server: GenerationServer, timeout: float = 600.0, token: str = 
 
         def _completions(self, body: bytes) -> None:
             try:
-                prompt, params = parse_completion_request(body, max_n)
-            except RequestError as e:
+                prompt, params, urls = parse_completion_request(body, max_n)
+                images = [load_image(url) for url in urls]
+            except (RequestError, InvalidInputError) as e:
                 self._send(400, {"error": str(e)})
                 return
-            completions = self._wait(server.complete(prompt, params), 400)
+            completions = self._wait(server.complete(prompt, params, images), 400)
             if completions is _Failed:
                 return
             self._send(200, {"choices": [{"token_ids": c.token_ids, "logprobs": c.logprobs,
@@ -357,10 +369,11 @@ def serve(cfg: ServeConfig) -> None:
     dtype = model_dtype(cfg.model.dtype, device)
     model, tokenizer = load_policy(cfg.model.name_or_path, dtype=getattr(torch, dtype), device=device,
                                    chat_template=cfg.model.chat_template, lora=cfg.model.lora)
-    check_parity(model, cfg.engine)  # refuses a model the engine would decode differently from its own forward
+    images = ImagePrompter(model, load_processor(cfg.model.name_or_path)) if is_vision_model(model) else None
+    check_parity(model, cfg.engine, images=images)  # refuses what the engine would decode unlike the model does
     engine = Engine(model, cfg.engine, tokenizer=tokenizer)  # the tokenizer finds stop strings
     receiver = Receiver(synced_params(model), version=0 if cfg.synced else -1)  # with LoRA: the adapters alone
-    server = GenerationServer(engine, receiver, build_source(cfg.sync, receiver, engine.device))
+    server = GenerationServer(engine, receiver, build_source(cfg.sync, receiver, engine.device), images)
     server.start()
     http = make_http_server(server, cfg.host, cfg.port, token=token, max_n=cfg.max_n,
                             max_request_bytes=cfg.max_request_bytes)

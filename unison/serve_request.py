@@ -7,6 +7,10 @@ other clients' included.
 
     >>> parse_completion_request(b'{"prompt": [5, 6], "max_tokens": 8, "n": 2}', max_n=256)[1].n
     2
+
+A vision-language server's prompts may hold images: ``images`` lists them as ``data:image/png;base64,...`` URLs
+(``unison.vision.images.encode_image``), in the order of the prompt's image placeholders, whose tokens the prompt
+already holds expanded (as the model's processor writes them).
     >>> parse_completion_request(b'{"prompt": [5], "max_tokens": 3.5}', max_n=256)
     Traceback (most recent call last):
     ...
@@ -22,7 +26,8 @@ from typing import Any
 from .engine import SamplingParams
 
 FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "n", "seed",
-          "stop_token_ids", "stop")
+          "stop_token_ids", "stop", "images")
+MAX_IMAGES = 64
 MAX_STOP_STRINGS = 64  # each is searched for after every token of the request: a few are what anyone uses
 MAX_STOP_CHARS = 1024
 _INT64 = 2**63 - 1  # the sampler turns top_k into an int64 tensor: a larger one fails inside the engine step
@@ -32,8 +37,9 @@ class RequestError(ValueError):
     """A request the server refuses with 400; the message names the field and what it must be."""
 
 
-def parse_completion_request(body: bytes, max_n: int) -> tuple[list[int], SamplingParams]:
-    """The body of ``POST /v1/completions`` -> (prompt token ids, sampling parameters), or a ``RequestError``."""
+def parse_completion_request(body: bytes, max_n: int) -> tuple[list[int], SamplingParams, list[str]]:
+    """The body of ``POST /v1/completions`` -> (prompt token ids, sampling parameters, image data URLs), or a
+    ``RequestError``."""
     req = _json_object(body)
     unknown = sorted(set(req) - set(FIELDS))
     if unknown:
@@ -64,7 +70,11 @@ def parse_completion_request(body: bytes, max_n: int) -> tuple[list[int], Sampli
     params = SamplingParams(max_new_tokens=_int(req, "max_tokens", 64, low=1), temperature=temperature, top_p=top_p,
                             top_k=_int(req, "top_k", 0, low=0), min_p=min_p, repetition_penalty=penalty, n=n,
                             seed=seed, stop_token_ids=tuple(stop) if stop is not None else None, stop=stop_strings)
-    return prompt, params
+    images = req.get("images") or []
+    if not (isinstance(images, list) and len(images) <= MAX_IMAGES and all(isinstance(i, str) and i for i in images)):
+        raise RequestError(f"images must be null or a list of at most {MAX_IMAGES} image data URLs "
+                           f"(data:image/png;base64,...), got {_show(images)}")
+    return prompt, params, images
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:

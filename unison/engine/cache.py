@@ -182,10 +182,16 @@ class BlockAllocator:
         self.computed.discard(block)
 
 
-def prefix_hashes(tokens: list[int], block_size: int, num_blocks: int) -> list[int]:
-    """Chained hashes of the first ``num_blocks`` full blocks of ``tokens``: equal hashes mean equal prefixes."""
+def prefix_hashes(tokens: list[int], block_size: int, num_blocks: int, salt: bytes = b"",
+                  salt_from: int = 0) -> list[int]:
+    """Chained hashes of the first ``num_blocks`` full blocks of ``tokens``: equal hashes mean equal prefixes.
+    ``salt`` (a prompt's image content) enters the chain at the block holding token ``salt_from`` (its first image
+    placeholder): the blocks before it are shared with any prompt of the same text, none from there on with a prompt
+    of other images."""
     hashes, parent = [], b""
     for i in range(num_blocks):
+        if salt and i == salt_from // block_size:
+            parent = hashlib.blake2b(parent + salt, digest_size=16).digest()
         # 128-bit digests: a collision would silently serve another prompt's KV.
         block = array("q", tokens[i * block_size:(i + 1) * block_size]).tobytes()
         parent = hashlib.blake2b(parent + block, digest_size=16).digest()

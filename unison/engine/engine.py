@@ -23,7 +23,10 @@ import torch
 from ..dist.tensor_parallel import local_forward
 from ..dist.topology import Topology
 from ..lora import MergedAdapters, engine_merges, is_lora
-from . import mla, state
+from ..vision import model as vlm
+from ..vision.inputs import Segment, language_inputs
+from ..vision.prompt import ImagePrompt
+from . import mla, moe, state
 from .attention import ATTN_NAME, NO_MASK
 from .backend import AttentionBackend, PagedBatch, StepLayout, TorchPagedBackend
 from .cache import BlockAllocator, KVPool, kv_widths
@@ -56,6 +59,8 @@ class Engine:
         # Decoder to the final hidden states, then the same fp32-output projection and head transform the trainer uses.
         self.lm_head = lm_head_of(model)
         self.decoder = decoder_of(model)
+        # A vision-language model: requests with images put the tower's rows at their placeholders in prefill.
+        self.vision = vlm.FAMILIES.get(type(model).__name__) if vlm.is_vision_model(model) else None
         self.vocab_size = self.lm_head.weight.shape[0]
         self.max_model_len = config.max_model_len or text.max_position_embeddings
         heads = text.num_attention_heads
@@ -72,6 +77,9 @@ class Engine:
             config.lora_weights, model, self.device, tensor_parallel=tp > 1) else None
         if self.lora_merged is not None:
             self.local_forward = _with_merged(self.local_forward, self.lora_merged)
+        experts = moe.kernel_modules(model) if config.moe_kernel == "triton" else []
+        if experts:  # the engine's forwards only (prefill and the captured decode step); training keeps transformers'
+            self.local_forward = moe.WithExpertsKernels(self.local_forward, experts)
         # One block more than the allocator hands out: the scratch block that padded graph rows write into.
         self.pool = KVPool(config.num_blocks + 1, config.block_size, kv_widths(text, tp, config.mla_cache),
                            self.dtype, self.device)
@@ -127,12 +135,16 @@ class Engine:
     # -- requests -----------------------------------------------------------------------------------------
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
-               continuable: bool = False) -> list[str]:
+               continuable: bool = False, images: ImagePrompt | None = None) -> list[str]:
         """Queue ``params.n`` samples of one prompt. Returns their request ids (one group). ``continuable``: each
-        finished sample keeps its KV for ``extend`` (a multi-turn episode) until ``release``."""
+        finished sample keeps its KV for ``extend`` (a multi-turn episode) until ``release``. ``images``: a
+        vision-language prompt's images through the tower (``unison.vision.prompt.ImagePrompter``), placed at its
+        image placeholder tokens in prefill."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         self._validate(prompt, params)
+        if images is not None:
+            self._validate_images(prompt, images)
         group = f"g{self._groups}"
         self._groups += 1
         stop = frozenset(self.eos_ids if params.stop_token_ids is None else params.stop_token_ids)
@@ -142,6 +154,7 @@ class Engine:
             seed = request_seed(params.seed, i) if params.seed is not None else None
             req = Request(f"{group}-{i}", group, prompt, params, stop, max_len, self._arrivals, seed)
             req.continuable = continuable
+            req.images = images
             self._arrivals += 1
             self._requests[req.request_id] = req
             self.scheduler.add(req)
@@ -167,6 +180,21 @@ class Engine:
         if blocks > self.config.num_blocks:
             raise ValueError(f"a request of up to {tokens} tokens needs {blocks} KV blocks but the pool has "
                              f"{self.config.num_blocks}: raise EngineConfig.num_blocks or lower max_new_tokens")
+
+    def _validate_images(self, prompt: list[int], images: ImagePrompt) -> None:
+        if self.vision is None:
+            vlm.family_of(self.model)  # raises, naming the class and the ones that take images
+        token = vlm.image_token_id(self.model)
+        at = images.at.tolist()
+        if not at or at[-1] >= len(prompt) or any(prompt[i] != token for i in at):
+            raise ValueError(f"the images' {len(at)} placeholder positions are not image tokens ({token}) of this "
+                             f"prompt of {len(prompt)} tokens")
+        if sum(t == token for t in prompt) != len(at):
+            raise ValueError(f"the prompt holds {sum(t == token for t in prompt)} image tokens and its images fill "
+                             f"{len(at)}")
+        if self.vision.mrope and (images.rope is None or images.rope.shape[1] != len(prompt)):
+            raise ValueError(f"{type(self.model).__name__} needs the prompt's multimodal RoPE positions for all "
+                             f"{len(prompt)} tokens")
 
     def extend(self, request_id: str, token_ids: list[int], params: SamplingParams | None = None) -> str:
         """Continue a finished continuable request: append ``token_ids`` (a tool's or environment's turn) and
@@ -359,9 +387,10 @@ class Engine:
             self._counters["graph_steps"] += 1
             reqs = [c.request for c in chunks]
             positions = [c.start for c in chunks]
+            shift = [r.images.rope_delta if r.images is not None else 0 for r in reqs] if self.vision else None
             return self.runner([r.output[-1] if r.output else r.prompt[-1] for r in reqs], positions,
                                [r.blocks[p // bs] * bs + p % bs for r, p in zip(reqs, positions, strict=True)],
-                               [r.blocks for r in reqs], [r.state_slot for r in reqs])
+                               [r.blocks for r in reqs], [r.state_slot for r in reqs], rope_shift=shift)
         tokens, positions, slots, query_start, context_len, sample_at = [], [], [], [0], [], []
         for chunk in chunks:
             req, start, end = chunk.request, chunk.start, chunk.start + chunk.length
@@ -381,9 +410,14 @@ class Engine:
             [c.length for c in chunks], dev)
         batch = PagedBatch.for_layout(self.pool, self.backend, layout, states)
         with torch.inference_mode(), self.local_forward():
-            hidden = self.decoder(input_ids=torch.tensor([tokens], device=dev),
-                                  position_ids=torch.tensor([positions], device=dev),
-                                  attention_mask=NO_MASK, paged=batch, use_cache=False,
+            ids = torch.tensor([tokens], device=dev)
+            if self.vision is not None and any(c.request.images is not None for c in chunks):
+                inputs = language_inputs(self.decoder, ids, [
+                    Segment(query_start[i], c.start, c.length, c.request.images) for i, c in enumerate(chunks)],
+                    self.vision.mrope)
+            else:
+                inputs = {"input_ids": ids, "position_ids": torch.tensor([positions], device=dev)}
+            hidden = self.decoder(**inputs, attention_mask=NO_MASK, paged=batch, use_cache=False,
                                   **mla.forward_kwargs(batch)).last_hidden_state[0]
             if states is not None:
                 state.check_visited(states)

@@ -76,9 +76,11 @@ class DecodeRunner:
         self.graphs.clear()
 
     def __call__(self, tokens: list[int], positions: list[int], slots: list[int],
-                 block_tables: list[list[int]], state_slots: list[int | None] | None = None) -> torch.Tensor:
+                 block_tables: list[list[int]], state_slots: list[int | None] | None = None,
+                 rope_shift: list[int] | None = None) -> torch.Tensor:
         """One decode token per request, at ``positions`` (its KV goes to ``slots``, a hybrid layer's state is in
-        ``state_slots``). Returns (n, V) fp32 logits, a view of a static buffer that the next call overwrites."""
+        ``state_slots``; ``rope_shift``: a vision-language prompt's multimodal RoPE rotates the token by its position
+        plus the shift). Returns (n, V) fp32 logits, a view of a static buffer that the next call overwrites."""
         n, m = len(tokens), self.rows
         b = next(size for size in self.sizes if size >= n)
         w = max(len(t) for t in block_tables)
@@ -86,6 +88,8 @@ class DecodeRunner:
         meta = host[:m * b].reshape(m, b)
         meta[0, :n], meta[1, :n], meta[2, :n] = tokens, positions, slots
         meta[3, :n] = meta[1, :n] + 1
+        if rope_shift is not None:
+            meta[1, :n] += rope_shift
         meta[:4, n:] = ((0,), (0,), (self.scratch_block * self.block_size,), (1,))
         if self.states is not None:
             meta[4, :n], meta[4, n:] = state_slots, self.states.scratch

@@ -13,15 +13,19 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ..dist.runtime import ReadyAgreement
 from ..engine import Completion, GenerationEngine, SamplingParams
 from ..engine.seeding import group_seed
 from ..engine.stop import completion_text
+from ..vision.messages import chat_messages
 from .advantage import group_advantages
 from .rewards import RewardFn, RewardScorer, Scorer
 from .sample import Sample
+
+if TYPE_CHECKING:
+    from ..vision.prompt import ImagePrompt, ImagePrompter
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +92,7 @@ class _Group:
     prompt_text: str | list[dict]  # the row's prompt: the user message, or a conversation
     pending: int  # samples still in the engine
     landed: list[tuple[Completion, float | None]]
+    images: ImagePrompt | None = None  # a vision-language prompt's images, shared by the group's samples
 
 
 class RolloutLoop:
@@ -98,10 +103,12 @@ class RolloutLoop:
     def __init__(self, engine: GenerationEngine, tokenizer, rows: list[dict],
                  reward_fns: list[tuple[RewardFn, float]], cfg: RolloutConfig, stop_token_ids: list[int] | None = None,
                  seed: int = 0, system_prompt: str | None = None, max_sample_tokens: int | None = None, *,
-                 scorer: Scorer | None = None, agreement: ReadyAgreement | None = None):
+                 scorer: Scorer | None = None, agreement: ReadyAgreement | None = None,
+                 images: ImagePrompter | None = None):
         if not rows:
             raise ValueError("no prompts to roll out")
         self.engine, self.tokenizer, self.rows, self.cfg = engine, tokenizer, rows, cfg
+        self.images = images  # a vision-language model's: rows with images go through its tower once per prompt
         self.system_prompt = system_prompt
         # The trainer's packed row: a sample (prompt and completion) never outgrows it. A longer prompt's completion
         # is cut short (finish "length"); a prompt that fills the row is skipped and counted.
@@ -197,22 +204,31 @@ class RolloutLoop:
     def _fill(self) -> None:
         skipped_in_a_row = 0
         while self.in_flight + self.cfg.group_size <= self.cfg.max_concurrent_rollouts:
-            row = self._next_row()
-            text = row["prompt"]
-            ids = self._encode(text)
-            try:
-                request_ids = self.engine.submit(ids, self._params_for(len(ids)))
-            except ValueError as e:  # e.g. a prompt longer than the context: skipped and counted
-                self.counts["skipped_prompts"] += 1
-                log.warning("skipping a prompt: %s", e)
-                skipped_in_a_row += 1
-                if skipped_in_a_row >= len(self.rows):  # a whole pass without a usable prompt
-                    if not self.in_engine:
-                        raise RuntimeError(f"no prompt can be rolled out; the last was skipped because: {e}") from e
-                    return
-                continue
-            skipped_in_a_row = 0
-            self.in_engine.update(dict.fromkeys(request_ids, _Group(row, text, len(request_ids), [])))
+            # The prompts that fit, encoded together: a vision-language model's images go through its tower at once.
+            room = (self.cfg.max_concurrent_rollouts - self.in_flight) // self.cfg.group_size
+            rows = [self._next_row() for _ in range(room)]
+            for row, encoded in zip(rows, encode_rows(self.tokenizer, rows, self.system_prompt, self.images),
+                                    strict=True):
+                try:
+                    if isinstance(encoded, Exception):
+                        raise encoded
+                    ids, images = encoded
+                    params = self._params_for(len(ids))
+                    request_ids = (self.engine.submit(ids, params, images=images) if images is not None
+                                   else self.engine.submit(ids, params))
+                except ValueError as e:  # e.g. a prompt longer than the context: skipped and counted
+                    self.counts["skipped_prompts"] += 1
+                    log.warning("skipping a prompt: %s", e)
+                    skipped_in_a_row += 1
+                    if skipped_in_a_row >= len(self.rows):  # a whole pass without a usable prompt
+                        if not self.in_engine:
+                            raise RuntimeError(f"no prompt can be rolled out; the last was skipped because: {e}") \
+                                from e
+                        return
+                    continue
+                skipped_in_a_row = 0
+                self.in_engine.update(dict.fromkeys(request_ids, _Group(row, row["prompt"], len(request_ids), [],
+                                                                        images)))
 
     def _params_for(self, prompt_tokens: int) -> SamplingParams:
         params = dataclasses.replace(self.params, seed=group_seed(self.seed_rng))
@@ -230,9 +246,6 @@ class RolloutLoop:
             self.rng.shuffle(self.order)
             self.epoch += 1
         return self.rows[self.order.pop()]
-
-    def _encode(self, text: str) -> list[int]:
-        return encode_prompt(self.tokenizer, text, self.system_prompt)
 
     def land(self, completions: list[Completion]) -> None:
         """File the completions of this loop's requests that an engine step taken by another caller returned (an
@@ -284,7 +297,7 @@ class RolloutLoop:
         self.counts["groups"] += 1
         for (c, r), a in zip(scored, advantages, strict=True):
             self.ready.append(Sample(tuple(c.prompt_ids), tuple(c.token_ids), tuple(c.logprobs),
-                                     tuple(c.weight_versions), r, a, group_id, c.finish_reason))
+                                     tuple(c.weight_versions), r, a, group_id, c.finish_reason, images=group.images))
 
     def _drop_stale(self, trainer_version: int) -> None:
         fresh = [s for s in self.ready if trainer_version - s.oldest_version <= self.cfg.max_staleness]
@@ -318,6 +331,40 @@ class RolloutLoop:
         self.window_parts = {}
         self.gen_tokens, self.gen_time = 0, 0.0
         return m
+
+
+def encode_row(tokenizer, row: dict, system_prompt: str | None = None, images: ImagePrompter | None = None
+               ) -> tuple[list[int], ImagePrompt | None]:
+    """A row's prompt ids, and its images through the vision tower where it has some (``images``: the model's
+    ``ImagePrompter``; a row with images and none is refused with ValueError)."""
+    pictures = row.get("images")
+    if not pictures:
+        return encode_prompt(tokenizer, row["prompt"], system_prompt), None
+    if images is None:
+        raise ValueError(f"a row with {len(pictures)} image(s) needs a vision-language model (unison.vision.model)")
+    return images(chat_messages(row["prompt"], pictures, system_prompt), pictures)
+
+
+def encode_rows(tokenizer, rows: list[dict], system_prompt: str | None = None, images: ImagePrompter | None = None
+                ) -> list[tuple[list[int], ImagePrompt | None] | ValueError]:
+    """``encode_row`` of each row, the rows with images through the tower together (``ImagePrompter.batch``); a row
+    that cannot be encoded comes back as its ValueError."""
+    out: list = [None] * len(rows)
+    pictured = [i for i, row in enumerate(rows) if row.get("images")]
+    for i in set(range(len(rows))) - set(pictured):
+        try:
+            out[i] = encode_row(tokenizer, rows[i], system_prompt, images)
+        except ValueError as e:
+            out[i] = e
+    if pictured and images is None:
+        for i in pictured:
+            out[i] = ValueError(f"a row with {len(rows[i]['images'])} image(s) needs a vision-language model")
+    elif pictured:
+        batch = images.batch([(chat_messages(rows[i]["prompt"], rows[i]["images"], system_prompt), rows[i]["images"])
+                              for i in pictured])
+        for i, encoded in zip(pictured, batch, strict=True):
+            out[i] = encoded if isinstance(encoded, Exception) else tuple(encoded)
+    return out
 
 
 def encode_prompt(tokenizer, text: str | list[dict], system_prompt: str | None = None) -> list[int]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ..engine import Completion, SamplingParams
 from ..sync.http import post_json
+from ..vision.images import encode_image
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,9 @@ class RemoteEngine:
     def num_unfinished(self) -> int:
         return sum(len(call.live) for call in self.inflight.values())
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None) -> list[str]:
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *, images=None) -> list[str]:
+        """``images``: a vision-language prompt's (``unison.vision.prompt.ImagePrompt``): its images travel as PNG
+        data URLs, and the server runs them through its own copy of the tower."""
         params = params or SamplingParams()
         group = f"r{self._groups}"
         url = self.urls[self._groups % len(self.urls)]
@@ -63,6 +66,8 @@ class RemoteEngine:
                    "seed": params.seed, "min_p": params.min_p, "repetition_penalty": params.repetition_penalty,
                    "stop": list(params.stop),
                    "stop_token_ids": list(params.stop_token_ids) if params.stop_token_ids is not None else None}
+        if images is not None:
+            payload["images"] = [encode_image(image) for image in images.images]
         future = self.pool.submit(post_json, f"{url}/v1/completions", payload, self.timeout, self.token)
         ids = [f"{group}-{i}" for i in range(params.n)]
         self.inflight[future] = _Call(group, list(prompt_ids), ids, set(ids))

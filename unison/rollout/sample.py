@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from unison.vision.prompt import ImagePrompt
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,8 @@ class Sample:
     group_id: str = ""
     finish_reason: str = "stop"
     completion_mask: tuple[bool, ...] | None = None
+    images: ImagePrompt | None = field(default=None, compare=False, repr=False)
+    """A vision-language prompt's images through the tower (shared by the group's samples)."""
 
     def __post_init__(self):
         if not self.prompt_ids or not self.completion_ids:

@@ -2,8 +2,10 @@
 
 ``load_task(DataConfig(source=...))`` takes a reasoning-gym task name (generated, no download), a data file whose
 rows have a prompt and an answer column (.jsonl, .json, .csv; .parquet or a ``datasets`` folder where the
-``datasets`` package is installed) or a Hub data set id. A prompt is a string (the user message) or a conversation
-(a list of ``{"role", "content"}`` messages); ``DataConfig.eval_split`` / ``eval_source`` give held-out rows.
+``datasets`` package is installed) or a Hub data set id, or a built-in task (multi-turn: ``sum_feedback``,
+``guess_number``; with images: ``count_shapes``). A prompt is a string (the user message) or a conversation (a list
+of ``{"role", "content"}`` messages); rows may carry images (``unison.tasks.image_rows``); ``DataConfig.eval_split``
+/ ``eval_source`` give held-out rows.
 
 >>> task = load_task(DataConfig(size=4))
 >>> sorted(task.rows[0])[:3], len(task.reward_fns)
@@ -22,8 +24,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from unison.config import InvalidInputError, MissingInputError
+from unison.tasks.image_rows import has_images, with_images
 from unison.tasks.rewards import FormatReward, MathReward, RewardFn, combine
 from unison.tasks.task import DEFAULT_TASK, DataConfig, Task
+from unison.vision.messages import is_part_list
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +36,12 @@ __all__ = ["DEFAULT_TASK", "DataConfig", "Task", "chat_prompt", "combine", "load
 
 def load_task(cfg: DataConfig) -> Task:
     from unison.tasks.multiturn import MULTI_TURN_TASKS
+    from unison.tasks.visual import VISUAL_TASKS
 
     if cfg.source in MULTI_TURN_TASKS:
         task = MULTI_TURN_TASKS[cfg.source](cfg)
+    elif cfg.source in VISUAL_TASKS:
+        task = VISUAL_TASKS[cfg.source](cfg)
     elif _is_gym_name(cfg.source):
         from unison.tasks.gym import gym_task
 
@@ -99,21 +106,26 @@ def load_rows(source: str | Path, prompt_column: str = "prompt", answer_column: 
         raw = _hf().read_hub(source, subset, split or "train")
     else:
         raise MissingInputError(f"data file {path} does not exist")
-    rows, bad, seen_columns = [], [], None
+    base_dir = (path if path.is_dir() else path.parent) if path.exists() else None  # relative image paths
+    rows, bad, seen_columns, image_error = [], [], None, ""
     for index, row in enumerate(raw):
         if seen_columns is None and isinstance(row, dict):
             seen_columns = sorted(row)
-        usable = _usable_row(row, prompt_column, answer_column)
+        try:
+            usable = _usable_row(row, prompt_column, answer_column, base_dir)
+        except InvalidInputError as e:  # an image that does not load; image parts that do not match the images
+            usable, image_error = None, image_error or f" (first: index {index}, {e})"
         if usable is None:
             bad.append(index)
         else:
             rows.append(usable)
     columns = f"a prompt (column {prompt_column!r})" + (f" and an answer ({answer_column!r})" if answer_column else "")
+    unusable = columns.replace(" and ", " or ") + (f", or with unusable images{image_error}" if image_error else "")
     if bad:
-        log.warning("%s: skipped %d row(s) without %s, at index %s", source, len(bad), columns.replace(" and ", " or "),
+        log.warning("%s: skipped %d row(s) without %s, at index %s", source, len(bad), unusable,
                     ", ".join(map(str, bad[:20])) + (" ..." if len(bad) > 20 else ""))
     if not rows:
-        what = "is empty" if not bad else f"has no row with {columns} ({len(bad)} skipped)"
+        what = "is empty" if not bad else f"has no row with {columns} ({len(bad)} skipped{image_error})"
         if seen_columns is not None:
             what += f"; its columns: {seen_columns} (data.prompt_column and data.answer_column name them)"
         raise InvalidInputError(f"data file {source} {what}")
@@ -126,7 +138,8 @@ def _hf():
     return hf
 
 
-def _usable_row(row, prompt_column: str, answer_column: str) -> dict | None:
+def _usable_row(row, prompt_column: str, answer_column: str, base_dir: Path | None = None) -> dict | None:
+    """The row as ``load_rows`` keeps it, or None; ``InvalidInputError`` for images that do not load."""
     if not isinstance(row, dict):
         return None
     prompt, answer = row.get(prompt_column), row.get(answer_column) if answer_column else None
@@ -141,13 +154,17 @@ def _usable_row(row, prompt_column: str, answer_column: str) -> dict | None:
     out = {**row, "prompt": prompt}
     if answer_column:
         out["answer"] = str(answer)
+    if has_images(out, prompt):
+        out = with_images(out, base_dir)
     return out
 
 
 def _is_conversation(value) -> bool:
-    """A list of ``{"role": str, "content": str}`` messages (TRL's conversational prompt)."""
+    """A list of ``{"role": str, "content": str | parts}`` messages (TRL's conversational prompt; parts: ``{"type":
+    "text", "text": str}`` and ``{"type": "image"}``, its vision-language form)."""
     return isinstance(value, list) and bool(value) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+        isinstance(m, dict) and isinstance(m.get("role"), str)
+        and (isinstance(m.get("content"), str) or is_part_list(m.get("content"))) for m in value)
 
 
 def _text(value) -> bool:

@@ -16,8 +16,10 @@ DEFAULT_TASK = "chain_sum"
 @dataclass
 class DataConfig:
     source: str = DEFAULT_TASK
-    """A reasoning-gym task name; a data file (.jsonl, .json, .csv; .parquet and ``datasets`` folders through the
-    ``datasets`` package); or a Hugging Face Hub data set id (``openai/gsm8k``, through ``datasets``)."""
+    """A reasoning-gym task name; a built-in task (``sum_feedback``, ``guess_number``: multi-turn; ``count_shapes``:
+    drawn images); a data file (.jsonl, .json, .csv; .parquet and ``datasets`` folders through the ``datasets``
+    package); or a Hugging Face Hub data set id (``openai/gsm8k``, through ``datasets``). Rows may carry images (an
+    ``images`` column, or image parts in a conversation)."""
     prompt_column: str = "prompt"
     """The column holding the prompt: a string (the user message) or a conversation (a list of ``{role,
     content}`` messages, rendered by the tokenizer's chat template)."""
@@ -34,11 +36,12 @@ class DataConfig:
     eval_source: str = ""
     """A separate file or data set to evaluate on (its default split, the same columns)."""
     size: int = 1000
-    """Rows to generate (reasoning-gym tasks); files keep all their rows."""
+    """Rows to generate (reasoning-gym and built-in tasks); files keep all their rows."""
     seed: int = 0
-    """Generation seed (reasoning-gym tasks)."""
+    """Generation seed (reasoning-gym and built-in tasks)."""
     gym: dict = field(default_factory=dict)
-    """reasoning-gym config fields over unison's preset for the task, e.g. ``{"max_digits": 2}``."""
+    """reasoning-gym config fields over unison's preset for the task, e.g. ``{"max_digits": 2}``; a built-in
+    task's settings (count_shapes: ``{"image_size": 112, "max_shapes": 6}``)."""
     system_prompt: str | None = None
     """System message; None keeps the chat template's own default."""
 

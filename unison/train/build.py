@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import InvalidInputError
 from ..dist.runtime import ReadyAgreement
 from ..dist.tensor_parallel import BroadcastEngine, BroadcastScorer
 from ..dist.topology import Topology, init_topology
@@ -19,7 +20,7 @@ from ..engine import Engine, EngineConfig
 from ..episodes.loop import MultiTurnRolloutLoop
 from ..lora import synced_params
 from ..metrics import MetricsWriter, NullMetricsWriter
-from ..models import load_policy, model_device, model_dtype, stop_token_ids
+from ..models import load_policy, load_processor, model_device, model_dtype, stop_token_ids
 from ..parity import check_parity
 from ..rollout.loop import RolloutLoop, encode_prompt
 from ..rollout.remote import RemoteEngine
@@ -29,6 +30,9 @@ from ..sync.auth import resolve_token
 from ..sync.publisher import WeightPublisher
 from ..sync.sharded import ShardedPublisher
 from ..tasks import Task, load_task
+from ..vision.messages import chat_messages
+from ..vision.model import FAMILIES, is_vision_model
+from ..vision.prompt import ImagePrompter
 from .config import TrainConfig
 from .evaluate import Evaluator
 from .leak import check_packed_attention
@@ -63,6 +67,7 @@ class Run:
     reference: ReferenceModel | None = None  # the KL term's frozen initial policy (loss.beta > 0)
     evaluator: Evaluator | None = None  # eval.steps > 0: the held-out prompts, every eval.steps steps
     completions: CompletionLog | None = None  # log.completions_every > 0 (rank 0): sampled completions logged
+    processor: object | None = None  # a vision-language model's processor (saved with each checkpoint)
 
 
 def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
@@ -85,18 +90,22 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
     model, tokenizer = load_policy(cfg.model.name_or_path if lora.enabled else cfg.resume or cfg.model.name_or_path,
                                    dtype=getattr(torch, dtype), device=device, topology=topology,
                                    chat_template=cfg.model.chat_template, lora=lora,
-                                   adapter=cfg.resume if lora.enabled else "")
+                                   adapter=cfg.resume if lora.enabled else "", train_vision=cfg.model.train_vision)
+    # A vision-language model's processor: rows with images go through it and the tower once per prompt.
+    processor = load_processor(cfg.model.name_or_path) if is_vision_model(model) else None
+    images = ImagePrompter(model, processor) if processor is not None else None
     check_packed_attention(model)
-    check_parity(model, cfg.engine, topology)  # refuses a model unison computes differently from its own forward
+    check_parity(model, cfg.engine, topology, images=images)  # refuses what unison computes unlike the model does
     task = task or load_task(cfg.data)
     if cfg.rewards:  # the config's reward functions replace the task's
         task = dataclasses.replace(task, reward_fns=build_reward_fns(cfg.rewards, cfg.rollout.max_new_tokens))
+    _check_images(task, model, images, topology)
     optimizer = build_optimizer(model, cfg.optim, cfg.max_steps * cfg.step.num_iterations, topology)
     initial = (lambda: load_policy(cfg.model.name_or_path, dtype=getattr(torch, dtype), device=device)[0]) \
         if cfg.resume else None
     reference = build_reference(model, cfg.loss.beta, cfg.optim.placement == "host", topology.tp is not None,
                                 initial=initial, adapter=cfg.model.lora.adapter)
-    longest_prompt = _longest_prompt(cfg, tokenizer, task)  # sizes the KV pool and the packed rows
+    longest_prompt = _longest_prompt(cfg, tokenizer, task, images)  # sizes the KV pool and the packed rows
     engine, publisher = _engine(cfg, model, tokenizer, topology, seed, longest_prompt)
     lend = publisher is None and cfg.memory.lends(engine.device)
     merged = engine.lora_merged.nbytes if publisher is None and engine.lora_merged is not None else 0
@@ -119,7 +128,7 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
     rollout = loop_cls(engine, tokenizer, task.rows, task.reward_fns, cfg.rollout, stop_ids, seed=seed,
                        system_prompt=task.system_prompt, max_sample_tokens=row_tokens, scorer=scorer,
                        agreement=ReadyAgreement(topology.dp, cfg.rollout.samples_per_step, cfg.dist.ready_every)
-                       if topology.dp is not None else None, **episodes)
+                       if topology.dp is not None else None, images=images, **episodes)
     record = run_record(cfg, topology.world, task.rows)
     start = 1 if saved is None else restore(saved, optimizer, rollout, record["data"]) + 1
     engine.weights_updated(optimizer.step_count)  # a resumed run samples with its checkpoint's version
@@ -130,11 +139,11 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
     log.info("training %s on %s (%s, %s) for %d steps; %d prompts", cfg.model.name_or_path, task.name,
              device, dtype, cfg.max_steps, len(task.rows))
     evaluator = Evaluator(cfg.eval, engine, tokenizer, task.eval_rows, task.reward_fns, cfg.rollout, stop_ids,
-                          task.system_prompt, cfg.seed) if cfg.eval.steps else None
+                          task.system_prompt, cfg.seed, images) if cfg.eval.steps else None
     completions = CompletionLog(cfg.output_dir, cfg.log.completions_every, scorer, writer) \
         if isinstance(scorer, RecordingScorer) else None
     return Run(cfg, topology, model, tokenizer, optimizer, engine, publisher, rollout, writer, plan, row_tokens,
-               pad_id, lend, record, start, reference, evaluator, completions)
+               pad_id, lend, record, start, reference, evaluator, completions, processor)
 
 
 def _engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, topology: Topology, seed: int, longest_prompt: int
@@ -181,8 +190,30 @@ def _memory_plan(cfg: TrainConfig, model: torch.nn.Module, kv_bytes: int, lend: 
     return plan, row_tokens
 
 
-def _longest_prompt(cfg: TrainConfig, tokenizer, task: Task) -> int:
-    """Tokens of the longest of (up to) 256 sampled prompts and the evaluation's."""
+def _longest_prompt(cfg: TrainConfig, tokenizer, task: Task, images: ImagePrompter | None = None) -> int:
+    """Tokens of the longest of (up to) 256 sampled prompts and the evaluation's (image tokens included)."""
     rows = [r for r in random.Random(cfg.seed).sample(task.rows, min(256, len(task.rows))) if "prompt" in r]
     held_out = task.eval_rows[:cfg.eval.max_prompts or None] if cfg.eval.steps else []
-    return max((len(encode_prompt(tokenizer, r["prompt"], task.system_prompt)) for r in rows + held_out), default=0)
+
+    def length(row: dict) -> int:
+        if images is not None and row.get("images"):
+            return images.count_tokens(chat_messages(row["prompt"], row["images"], task.system_prompt), row["images"])
+        return len(encode_prompt(tokenizer, row["prompt"], task.system_prompt))
+    return max((length(r) for r in rows + held_out), default=0)
+
+
+def _check_images(task: Task, model: torch.nn.Module, images: ImagePrompter | None, topology: Topology) -> None:
+    """Refuse rows with images where they cannot be run exactly: a text-only model, a vision-language class unison
+    does not run (``unison.vision.model.family_of`` names why), multi-turn episodes, several processes."""
+    with_images = sum(bool(r.get("images")) for r in task.rows + task.eval_rows)
+    if not with_images:
+        return
+    what = f"{task.name}: {with_images} row(s) hold images"
+    if images is None:
+        raise InvalidInputError(f"{what}, and {type(model).__name__} is a text-only model: train a vision-language "
+                                f"model on them ({', '.join(sorted(FAMILIES))})")
+    if task.multi_turn:
+        raise InvalidInputError(f"{what}: multi-turn episodes with images are not supported yet")
+    if topology.world > 1:
+        raise InvalidInputError(f"{what}: vision-language models train in one process for now (no dist.tp, no "
+                                "data-parallel replicas)")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ..engine import Completion
 from ..engine.stop import completion_text
-from ..rollout.loop import RolloutConfig, encode_prompt
+from ..rollout.loop import RolloutConfig, encode_row
 from ..rollout.rewards import RewardFn, RewardScorer
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,8 @@ class Evaluator:
     the training's, as ``eval/reward_failed``)."""
 
     def __init__(self, cfg: EvalConfig, engine, tokenizer, rows: list[dict], reward_fns: list[tuple[RewardFn, float]],
-                 rollout: RolloutConfig, stop_token_ids: list[int] | None, system_prompt: str | None, seed: int):
+                 rollout: RolloutConfig, stop_token_ids: list[int] | None, system_prompt: str | None, seed: int,
+                 images=None):
         if not rows:
             raise ValueError("eval.steps is set but there are no held-out rows: set data.eval_split (a split name "
                              "or a fraction) or data.eval_source")
@@ -67,6 +68,7 @@ class Evaluator:
                              f"{self.scorer.names}")
         self.correct = cfg.correct_reward or self.scorer.names[0]
         self.system_prompt, self.seed = system_prompt, seed
+        self.images = images  # a vision-language model's ImagePrompter, for rows with images
         self.greedy = dataclasses.replace(rollout.sampling_params(n=1, stop_token_ids=stop_token_ids), temperature=0.0)
         self.sampled = rollout.sampling_params(n=cfg.k, stop_token_ids=stop_token_ids)
 
@@ -79,11 +81,13 @@ class Evaluator:
         mine: dict[str, tuple[int, str]] = {}  # request id -> (row index, "greedy" | "sampled")
         skipped = 0
         for i, row in enumerate(self.rows):
-            ids = encode_prompt(self.tokenizer, row["prompt"], self.system_prompt)
             try:  # the same seeds at every evaluation: the curves compare like with like
+                ids, images = encode_row(self.tokenizer, row, self.system_prompt, self.images)
                 for mode, params in (("greedy", self.greedy), ("sampled", self.sampled)):
                     seeded = dataclasses.replace(params, seed=self.seed * 1_000_003 + i)
-                    mine.update(dict.fromkeys(self.engine.submit(ids, seeded), (i, mode)))
+                    submitted = self.engine.submit(ids, seeded, images=images) if images is not None \
+                        else self.engine.submit(ids, seeded)
+                    mine.update(dict.fromkeys(submitted, (i, mode)))
             except ValueError as e:  # a prompt too long for the context: skipped and counted
                 skipped += 1
                 log.warning("eval: skipping prompt %d: %s", i, e)

@@ -17,6 +17,8 @@ from unison.engine.attention import NO_MASK
 from unison.engine.lm_head import IDENTITY, HeadTransform, decoder_of, lm_head_fp32, lm_head_of
 from unison.train.boundaries import keep_samples_apart
 from unison.train.packing import PackedRow
+from unison.vision import model as vlm
+from unison.vision.inputs import Segment, language_inputs
 
 
 def policy_logprobs(model: torch.nn.Module, row: PackedRow, temperature: float = 1.0, chunk_size: int = 1024,
@@ -30,9 +32,11 @@ def policy_logprobs(model: torch.nn.Module, row: PackedRow, temperature: float =
     head = lm_head_of(model)
     decoder = decoder_of(model)
     keep_samples_apart(model)  # the row's boundaries reach hybrid models' conv and recurrent layers too
+    inputs = {"input_ids": row.input_ids, "position_ids": row.position_ids}
+    if row.images:  # a vision-language model's images at their placeholders (unison.vision.inputs)
+        inputs = image_inputs(model, decoder, row)
     hidden = decoder(
-        input_ids=row.input_ids,
-        position_ids=row.position_ids,
+        **inputs,
         attention_mask=NO_MASK,
         cu_seq_lens_q=row.cu_seqlens,
         cu_seq_lens_k=row.cu_seqlens,
@@ -44,6 +48,16 @@ def policy_logprobs(model: torch.nn.Module, row: PackedRow, temperature: float =
     selected = hidden[0].index_select(0, positions)  # (M, H)
     targets = row.targets.index_select(0, positions)
     return chunked_logprobs(selected, head.weight, targets, temperature, chunk_size, with_entropy, head.transform)
+
+
+def image_inputs(model: torch.nn.Module, decoder: torch.nn.Module, row: PackedRow) -> dict:
+    """The decoder's inputs for a row with images: each sample's tower rows at its placeholders, its own (multimodal)
+    positions from 0. A frozen tower's rows are the ones the engine prefilled with; a trained one runs again, here,
+    with its gradient."""
+    bounds = row.cu_seqlens.tolist()
+    segments = [Segment(bounds[i], 0, bounds[i + 1] - bounds[i], images) for i, images in enumerate(row.images)]
+    rows_of = (lambda p: vlm.image_features(model, p.pixels)) if vlm.vision_trains(model) else None
+    return language_inputs(decoder, row.input_ids, segments, vlm.family_of(model).mrope, rows_of)
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

@@ -123,9 +123,9 @@ def _save(run: Run, path: str, step: int) -> None:
     # A collective: every tp rank gathers (a LoRA run's adapters alone, unless it saves merged weights too).
     state = full_state_dict(run.model, adapters_only) if topology.tp is not None else None
     if topology.is_main and lora.enabled:  # the adapters in PEFT's format (and, on request, merged weights)
-        save_lora_checkpoint(run.model, run.tokenizer, path, lora, run.cfg.model.name_or_path, state)
+        save_lora_checkpoint(run.model, run.processor or run.tokenizer, path, lora, run.cfg.model.name_or_path, state)
     elif topology.is_main:
-        save_hf_checkpoint(run.model, run.tokenizer, path, state)
+        save_hf_checkpoint(run.model, run.processor or run.tokenizer, path, state)
     if topology.scaled_out:
         dist.barrier()  # the directory exists before the other ranks write into it
     save_trainer_state(path, topology.rank,

@@ -16,6 +16,8 @@ import torch
 
 from ..config import check_literals
 from ..dist.runtime import local
+from ..lora import is_lora
+from ..vision.model import is_vision_model, vision_trains
 
 
 @dataclass
@@ -71,6 +73,15 @@ def kv_blocks_for(max_concurrent: int, prompt_tokens: int, max_new_tokens: int, 
     return max_concurrent * per_request
 
 
+def _frozen_note(model: torch.nn.Module) -> str:
+    """Why fewer parameters have gradients than the model has."""
+    if is_lora(model):
+        return "the LoRA adapters' alone"
+    if is_vision_model(model) and not vision_trains(model):
+        return "none for the frozen vision tower"
+    return "the trainable parameters' alone"
+
+
 def plan_memory(model: torch.nn.Module, kv_pool_bytes: int, optimizer_on_gpu: bool, lend_kv: bool,
                 max_tokens_per_row: int, logprob_chunk: int, activation_checkpointing: bool,
                 reference: Literal["none", "device", "host", "adapters_off"] = "none", lora_merged_bytes: int = 0,
@@ -93,7 +104,7 @@ def plan_memory(model: torch.nn.Module, kv_pool_bytes: int, optimizer_on_gpu: bo
     gib = 2**30
     lent = kv_pool_bytes + state_pool_bytes
     rows = [("weights (live)", weights / gib, "shared by the engine and the trainer"),
-            ("gradients", trainable * elt / gib, "the LoRA adapters' alone" if trainable < weights / elt else ""),
+            ("gradients", trainable * elt / gib, _frozen_note(model) if trainable < weights / elt else ""),
             ("optimizer (fp32 state)", (12 * trainable if optimizer_on_gpu else 0) / gib,
              "" if optimizer_on_gpu else f"{12 * trainable / gib:.2f} GiB in pinned host memory"),
             ("KV pool", kv_pool_bytes / gib, "lent to the training step" if lend_kv else ""),

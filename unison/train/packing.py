@@ -33,6 +33,8 @@ class PackedRow:
     advantages, engine_logprobs: (T,) float32, the sample's advantage and the engine's logprob of the
     target token on masked positions, 0 elsewhere.
     sample_index: for each sample segment in row order, its index in the list given to ``pack_samples``.
+    images: per segment (padding included), the sample's images (``unison.vision.prompt.ImagePrompt``) or None;
+    empty for a row without images.
     """
 
     input_ids: torch.Tensor
@@ -44,6 +46,7 @@ class PackedRow:
     advantages: torch.Tensor
     engine_logprobs: torch.Tensor
     sample_index: tuple[int, ...]
+    images: tuple = ()
 
     @property
     def num_samples(self) -> int:
@@ -136,6 +139,7 @@ def _build_row(samples: list[Sample], index: list[int], pad_id: int, pad_to: int
         advantages += [0.0] * pad
         engine_lp += [0.0] * pad
         seg_lens.append(pad)
+    images = tuple(s.images for s in samples) + (None,) * (len(seg_lens) - len(samples))
     cu = torch.zeros(len(seg_lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(seg_lens, dtype=torch.int32), 0)
     return PackedRow(
@@ -148,4 +152,5 @@ def _build_row(samples: list[Sample], index: list[int], pad_id: int, pad_to: int
         advantages=torch.tensor(advantages, dtype=torch.float32),
         engine_logprobs=torch.tensor(engine_lp, dtype=torch.float32),
         sample_index=tuple(index),
+        images=images if any(i is not None for i in images) else (),
     )
