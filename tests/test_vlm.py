@@ -12,7 +12,7 @@ from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import tiny_llama, tiny_tokenizer
 from vlm_models import FAMILIES, random_image, tiny_vlm, user_turn
 
 from unison.config import InvalidInputError, load_config
@@ -311,3 +311,24 @@ def test_prompts_through_the_tower_together_equal_one_by_one(vlm_pair):
         assert torch.allclose(prompt.embeds, alone.embeds, atol=1e-5)
         assert len(prompt.deepstack) == len(alone.deepstack)
         assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(prompt.deepstack, alone.deepstack, strict=True))
+
+
+def test_the_resume_fingerprint_sees_the_images():
+    """A resumed run's saved data order must refer to the same rows: other pictures behind the same prompts differ."""
+    from unison.train.resume import data_fingerprint
+
+    rows = [{"prompt": "How many?", "images": [random_image(0)]}]
+    same = [{"prompt": "How many?", "images": [random_image(0)]}]
+    other = [{"prompt": "How many?", "images": [random_image(1)]}]
+    assert data_fingerprint(rows) == data_fingerprint(same) != data_fingerprint(other)
+    assert data_fingerprint([{"prompt": "x"}]) == data_fingerprint([{"prompt": "x", "images": []}])
+
+
+def test_a_text_models_prompt_of_text_parts_renders_as_its_string():
+    """Conversations whose contents are part lists load for every model; a text model's template gets strings."""
+    from unison.rollout.loop import encode_prompt
+
+    tok = tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "w5 w6"}, {"type": "text", "text": "w7"}]}]
+    assert encode_prompt(tok, parts) == encode_prompt(tok, [{"role": "user", "content": "w5 w6\nw7"}]) == [5, 6, 7]

@@ -31,7 +31,9 @@ class GenerationEngine(Protocol):
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None) -> list[str]:
         """Queue ``params.n`` samples of one prompt (one group). Returns their request ids; raises ValueError for a
-        request the engine refuses up front (an empty prompt, one longer than the context)."""
+        request the engine refuses up front (an empty prompt, one longer than the context). The local engine and
+        the servers' clients also take ``images=`` (a vision-language prompt's ``unison.vision.prompt.ImagePrompt``);
+        the rollout loop passes it only for rows with images."""
 
     def step(self) -> list[Completion]:
         """Advance generation; returns the completions that finished since the last call, aborted ones included."""

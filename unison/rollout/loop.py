@@ -379,6 +379,12 @@ def encode_prompt(tokenizer, text: str | list[dict], system_prompt: str | None =
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     if conversation and text and text[0].get("role") == "system":
         messages = []
-    messages += text if conversation else [{"role": "user", "content": text}]
+    # A text-only row's part lists ({"type": "text"} parts) as the plain strings text chat templates expect.
+    messages += [{**m, "content": _text_of(m["content"])} for m in text] if conversation else [
+        {"role": "user", "content": text}]
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def _text_of(content: str | list[dict]) -> str:
+    return content if isinstance(content, str) else "\n".join(p["text"] for p in content if p.get("type") == "text")

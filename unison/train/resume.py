@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..config import InputError, config_to_dict, format_value
+from ..vision.images import image_digest
 from .checkpoint import load_trainer_state
 from .config import TrainConfig
 
@@ -35,10 +36,13 @@ def run_record(cfg: TrainConfig, world_size: int, rows: list[dict]) -> dict:
 
 
 def data_fingerprint(rows: list[dict]) -> dict:
-    """The data set's size and a hash of its prompts in order: what the saved data order (row indices) refers to."""
+    """The data set's size and a hash of its prompts (and their images' pixels) in order: what the saved data order
+    (row indices) refers to."""
     digest = hashlib.sha256()
     for row in rows:
         digest.update(str(row.get("prompt", "")).encode())
+        for image in row.get("images") or ():
+            digest.update(image_digest(image))
         digest.update(b"\0")
     return {"rows": len(rows), "prompts_sha256": digest.hexdigest()}
 
