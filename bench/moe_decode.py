@@ -2,6 +2,7 @@
 
     python bench/moe_decode.py --device cpu --shape tiny                 # quick, checks the script
     python bench/moe_decode.py --device cuda --json bench/results/h200/moe_decode/moe_decode.json
+    python bench/moe_decode.py --device cuda --shape gptoss-12l --models moe,moe_transformers   # GptOss's experts
 
 Random bf16 weights, no download. For each model and concurrency: the engine's decode tok/s (prompt 128, 128 new
 tokens, T=1, no stop tokens), decode steps against graph steps, and the phases of a decode step; then decode steps
@@ -27,9 +28,9 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 from engine import commit, machine_ceilings, prompts_for, sync
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, GptOssConfig, Qwen3Config, Qwen3MoeConfig
 
-from unison.engine import Engine, EngineConfig, SamplingParams, fused_norm, fused_rope, triton_moe
+from unison.engine import Engine, EngineConfig, SamplingParams, fused_norm, fused_rope, moe, triton_moe
 
 # 16 layers of Qwen3-30B-A3B's layer shape: 10.6B parameters (untied head), 0.9B active per token.
 SHAPES = {
@@ -42,6 +43,14 @@ SHAPES = {
     "qwen3moe-16l": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=4,
                          head_dim=128, vocab_size=151936, num_experts=128, num_experts_per_tok=8,
                          moe_intermediate_size=768),
+    # GptOss (its experts transposed, interleaved, biased, clamped SwiGLU; attention sinks; window 128 on every
+    # other layer): 12 of GptOss-20B's 24 layers, 32 experts, top-4 (10.7B parameters, 1.9B active per token).
+    "gptoss-12l": dict(family="gpt_oss", hidden_size=2880, num_hidden_layers=12, num_attention_heads=64,
+                       num_key_value_heads=8, head_dim=64, vocab_size=201088, num_experts=32, num_experts_per_tok=4,
+                       moe_intermediate_size=2880, sliding_window=128),
+    "gptoss-tiny": dict(family="gpt_oss", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, vocab_size=512, num_experts=6, num_experts_per_tok=2,
+                        moe_intermediate_size=32, sliding_window=16),
 }
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::item",
             "aten::_local_scalar_dense", "aten::nonzero", "aten::unique", "aten::bincount", "cudaMemcpyAsync",
@@ -49,11 +58,16 @@ SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchron
 
 
 def build(kind: str, shape: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
-    """kind "moe": Qwen3-MoE; "dense": Qwen3 with intermediate = top_k * moe_intermediate (same active params)."""
+    """kind "moe": Qwen3-MoE (or GptOss: the shape's family); "dense": Qwen3 with intermediate = top_k *
+    moe_intermediate (same active params)."""
     s = dict(SHAPES[shape])
     experts, top_k, moe_inter = s.pop("num_experts"), s.pop("num_experts_per_tok"), s.pop("moe_intermediate_size")
+    family, window = s.pop("family", "qwen3_moe"), s.pop("sliding_window", None)
     common = dict(s, max_position_embeddings=40960, tie_word_embeddings=False)
-    if kind == "moe":
+    if kind == "moe" and family == "gpt_oss":  # its own yarn RoPE and position limit, sinks, alternating window
+        cfg = GptOssConfig(**s, tie_word_embeddings=False, num_local_experts=experts, num_experts_per_tok=top_k,
+                           intermediate_size=moe_inter, sliding_window=window)
+    elif kind == "moe":
         cfg = Qwen3MoeConfig(**common, num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True,
                              moe_intermediate_size=moe_inter, intermediate_size=top_k * moe_inter)
     else:
@@ -180,7 +194,7 @@ def sync_callers(prof, steps: int) -> list[dict]:
 def routing_stats(model, engine: Engine, prompts) -> dict:
     """Distinct experts the router picks per layer in one decode step of len(prompts) requests."""
     picks = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, out: picks.append(out[2].detach().clone()))
+    hooks = [router(layer.mlp).register_forward_hook(lambda m, i, out: picks.append(out[2].detach().clone()))
              for layer in model.model.layers]
     for p in prompts:
         engine.submit(p, SamplingParams(max_new_tokens=3, stop_token_ids=()))
@@ -192,10 +206,23 @@ def routing_stats(model, engine: Engine, prompts) -> dict:
     while engine.num_unfinished:
         engine.step()
     distinct = [int(p.unique().numel()) for p in picks if p.shape[0] == len(prompts)]
-    counts = [torch.bincount(p.flatten(), minlength=model.config.num_experts) for p in picks
+    counts = [torch.bincount(p.flatten(), minlength=model.model.layers[0].mlp.experts.num_experts) for p in picks
               if p.shape[0] == len(prompts)]
     return {"distinct_experts_per_layer": sum(distinct) / max(len(distinct), 1),
             "max_tokens_per_expert": max((int(c.max()) for c in counts), default=0), "layers_seen": len(distinct)}
+
+
+def router(mlp: torch.nn.Module) -> torch.nn.Module:
+    """The MoE block's router, returning (logits, top-k weights, top-k experts): Qwen3-MoE's ``gate``, GptOss's
+    ``router``."""
+    return mlp.gate if hasattr(mlp, "gate") else mlp.router
+
+
+def experts_weights(ex: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E, H, 2I) and (E, I, H) views of the experts' weights, as transformers passes them to grouped_mm."""
+    if ex.is_transposed:
+        return ex.gate_up_proj, ex.down_proj
+    return ex.gate_up_proj.transpose(-2, -1), ex.down_proj.transpose(-2, -1)
 
 
 def timed_ms(fn, device: str, reps: int = 20) -> dict:
@@ -235,34 +262,36 @@ def experts_microbench(moe_model, dense_model, tokens: int, device: str, copy_bw
     """One layer's experts at a decode step of ``tokens`` rows, routed by layer 0's router."""
     mlp, dense_mlp = moe_model.model.layers[0].mlp, dense_model.model.layers[0].mlp
     ex = mlp.experts
-    e, h = ex.gate_up_proj.shape[0], ex.gate_up_proj.shape[2]
+    w_up, w_down = experts_weights(ex)
+    e, h, inter = w_up.shape[0], w_up.shape[1], w_down.shape[1]
     x = torch.randn(tokens, h, device=device, dtype=ex.gate_up_proj.dtype)
-    _, weights, idx = mlp.gate(x)
+    _, weights, idx = router(mlp)(x)
     k = idx.shape[1]
     counts = torch.bincount(idx.flatten(), minlength=e)
     hit = int((counts > 0).sum())
     ids_sorted, perm = torch.sort(idx.flatten())
     xs = x[perm // k]
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    w_up, w_down = ex.gate_up_proj.transpose(-2, -1), ex.down_proj.transpose(-2, -1)  # as transformers passes them
     w_up_rows = w_up.contiguous()  # the same weights laid out (E, H, 2I) row-major: does the layout matter?
-    mid = torch.randn(tokens * k, ex.down_proj.shape[2], device=device, dtype=x.dtype)
+    mid = torch.randn(tokens * k, inter, device=device, dtype=x.dtype)
     cap = -(-int(counts.max()) // 8) * 8  # fixed capacity: the host reads it once here, never per step
     xe = torch.randn(e, cap, h, device=device, dtype=x.dtype)
-    me = torch.randn(e, cap, ex.down_proj.shape[2], device=device, dtype=x.dtype)
-    inter = ex.down_proj.shape[2]
+    me = torch.randn(e, cap, inter, device=device, dtype=x.dtype)
 
     def every_expert():  # exact and sync-free: every token through every expert, unrouted pairs weighted 0
         dense_w = torch.zeros(tokens, e, device=device, dtype=torch.float32).scatter_(1, idx, weights.float())
         gate_up = torch.matmul(x, w_up)  # (E, T, 2I)
-        act = F.silu(gate_up[..., :inter]) * gate_up[..., inter:] * dense_w.T[..., None].to(x.dtype)
-        return torch.bmm(act, w_down).sum(0)
+        if ex.has_bias:
+            gate_up = gate_up + ex.gate_up_proj_bias[:, None]
+            out = torch.bmm(ex._apply_gate(gate_up), w_down) + ex.down_proj_bias[:, None]
+            return (out * dense_w.T[..., None].to(x.dtype)).sum(0)
+        return torch.bmm(ex._apply_gate(gate_up) * dense_w.T[..., None].to(x.dtype), w_down).sum(0)
 
     reference = ex(x, idx, weights)
     sizes = triton_moe.block_sizes(tokens * k, e, x.dtype)
 
     def unison_experts():
-        return triton_moe.fused_experts(x, idx, weights, ex.gate_up_proj, ex.down_proj, sizes)
+        return moe.kernels_forward(ex, x, idx, weights, sizes)
     expert_bytes = (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel()) * x.element_size()
     dense_bytes = sum(p.numel() for p in dense_mlp.parameters()) * x.element_size()
     out = {
@@ -299,14 +328,15 @@ def experts_prefill(moe_model, tokens: int, device: str) -> dict:
     (compute-bound here, where the decode rows are memory-bound)."""
     mlp = moe_model.model.layers[0].mlp
     ex = mlp.experts
-    x = torch.randn(tokens, ex.gate_up_proj.shape[2], device=device, dtype=ex.gate_up_proj.dtype)
-    _, weights, idx = mlp.gate(x)
+    w_up, w_down = experts_weights(ex)
+    x = torch.randn(tokens, w_up.shape[1], device=device, dtype=ex.gate_up_proj.dtype)
+    _, weights, idx = router(mlp)(x)
     reference = ex(x, idx, weights)
-    flops = 2 * 3 * idx.numel() * ex.gate_up_proj.shape[2] * ex.down_proj.shape[2]
-    sizes = triton_moe.block_sizes(idx.numel(), ex.gate_up_proj.shape[0], x.dtype)
-    ours = timed_ms(lambda: triton_moe.fused_experts(x, idx, weights, ex.gate_up_proj, ex.down_proj, sizes), device)
+    flops = 2 * 3 * idx.numel() * w_up.shape[1] * w_down.shape[1]
+    sizes = triton_moe.block_sizes(idx.numel(), w_up.shape[0], x.dtype)
+    ours = timed_ms(lambda: moe.kernels_forward(ex, x, idx, weights, sizes), device)
     theirs = timed_ms(lambda: ex(x, idx, weights), device)
-    diff = triton_moe.fused_experts(x, idx, weights, ex.gate_up_proj, ex.down_proj, sizes).float() - reference.float()
+    diff = moe.kernels_forward(ex, x, idx, weights, sizes).float() - reference.float()
     return {"tokens": tokens, "unison_block_sizes": asdict(sizes), "transformers_grouped_mm_forward": theirs,
             "unison_triton_experts": ours, "unison_max_abs_diff": float(diff.abs().max()),
             "transformers_tflops": flops / theirs["ms"] / 1e9, "unison_tflops": flops / ours["ms"] / 1e9}
@@ -348,6 +378,7 @@ def main():
         report[f"{kind}_params_b"] = sum(p.numel() for p in model.parameters()) / 1e9
     report["experts_implementation"] = models["moe"].config._experts_implementation
     report["moe_kernel"] = args.moe_kernel
+    report["experts_modules_on_kernels"] = len(moe.kernel_modules(models["moe"]))  # with moe_kernel=triton, on CUDA
 
     def save():
         if args.json:

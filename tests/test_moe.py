@@ -8,13 +8,15 @@ import torch
 import transformers
 from arch_models import tiny
 from conftest import max_logprob_diff, random_prompts
-from transformers.integrations.moe import grouped_mm_experts_forward
+from transformers.integrations.moe import batched_mm_experts_forward, grouped_mm_experts_forward
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
 pytest.importorskip("triton")
 
 from unison.engine import Engine, EngineConfig, SamplingParams, moe  # noqa: E402
 from unison.engine.triton_moe import (  # noqa: E402
     BlockSizes,
+    ExpertsLayout,
     align,
     align_reference,
     experts_reference,
@@ -41,6 +43,19 @@ def experts_block(dtype, seed=0):
         block.gate_up_proj.normal_(0, 0.3)
         block.down_proj.normal_(0, 0.3)
     return block.to(dtype)
+
+
+def gpt_oss_block(dtype, top_k, seed=0):
+    """GptOss's experts (transposed, interleaved, biased) with random weights and biases; a limit of 1.3 (not a
+    bf16 value: 1.296875 there) that the gate and up values cross in both directions."""
+    torch.manual_seed(seed)
+    block = GptOssExperts(transformers.GptOssConfig(hidden_size=HIDDEN, intermediate_size=INTER,
+                                                     num_local_experts=EXPERTS, num_experts_per_tok=top_k,
+                                                     swiglu_limit=1.3))
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+    return block.to(dtype).requires_grad_(False)
 
 
 def routing(tokens, top_k, seed, weights_dtype):
@@ -74,6 +89,49 @@ def test_fused_experts_match_reference_and_grouped_mm(tokens, top_k, dtype, weig
         for other in (ref, hf):
             rel = ((out.float() - other.float()).norm() / other.float().norm()).item()
             assert rel < 1e-3, f"relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+@pytest.mark.parametrize("top_k", [2, 4])
+@pytest.mark.parametrize("dtype,weights_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                 (torch.bfloat16, torch.float32)])
+def test_gpt_oss_experts_on_the_kernels_match_transformers(tokens, top_k, dtype, weights_dtype):
+    block = gpt_oss_block(dtype, top_k, seed=tokens * 10 + top_k)
+    assert moe.unsupported(block) is None
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, HIDDEN, generator=g).to(dtype)
+    idx, w = routing(tokens, top_k, tokens + top_k, weights_dtype)
+    gate_up = torch.einsum("th,ehn->etn", x.float(), block.gate_up_proj.float()) + block.gate_up_proj_bias[:, None]
+    assert (gate_up > block.limit).any() and (gate_up < -block.limit).any()  # both clamps matter
+    layout = ExpertsLayout(transposed=True, interleaved=True, gate="gptoss", alpha=block.alpha, limit=block.limit)
+    with torch.no_grad():
+        out = moe.kernels_forward(block, x, idx, w, BlockSizes(16, 16, 16))  # partial tiles of H=40 and 2I=48
+        ref = experts_reference(x, idx, w, block.gate_up_proj, block.down_proj, gate_up_bias=block.gate_up_proj_bias,
+                                down_bias=block.down_proj_bias, layout=layout)
+        # the shape's default blocks (one N tile, one K tile) at T=33 (where an expert spans two 16-row blocks)
+        wide = moe.kernels_forward(block, x, idx, w) if tokens == 33 else ref
+        theirs = [grouped_mm_experts_forward(block, x, idx, w), batched_mm_experts_forward(block, x, idx, w)]
+    assert out.dtype == dtype and out.shape == (tokens, HIDDEN) and torch.isfinite(out).all()
+    scale = theirs[0].float().abs().max().item()
+    for other in [ref, wide, *theirs]:
+        if dtype == torch.float32:
+            assert (out - other).abs().max().item() < 1e-5 * scale
+        else:  # every rounding where torch rounds: bit-equal on this CPU (the GPU's fp32 sums may differ in order)
+            assert torch.equal(out, other), (out.float() - other.float()).abs().max().item()
+
+
+def test_fused_experts_name_what_does_not_fit():
+    block = gpt_oss_block(torch.float32, 2)
+    x = torch.randn(3, HIDDEN)
+    idx, w = routing(3, 2, 0, torch.float32)
+    gptoss = ExpertsLayout(transposed=True, interleaved=True, gate="gptoss", alpha=1.702, limit=7.0)
+    with pytest.raises(ValueError, match="default layout: down_proj"):  # GptOss's weights read as the default
+        fused_experts(x, idx, w, block.gate_up_proj, block.down_proj)
+    with pytest.raises(ValueError, match="gate_up_bias is"):
+        fused_experts(x, idx, w, block.gate_up_proj, block.down_proj, gate_up_bias=block.down_proj_bias,
+                      layout=gptoss)
+    with pytest.raises(ValueError, match="'swiglu' is not one of"):
+        fused_experts(x, idx, w, block.gate_up_proj, block.down_proj, layout=ExpertsLayout(True, True, "swiglu"))
 
 
 def test_default_block_sizes_and_an_expert_taking_every_token():
@@ -110,15 +168,41 @@ def test_which_experts_modules_take_the_kernels():
     assert len(moe.kernel_modules(qwen)) == 2
     gpt_oss, _ = tiny("gpt_oss")
     experts = [m for m in gpt_oss.modules() if moe.is_experts_module(m)]
-    assert experts and moe.kernel_modules(gpt_oss) == []
-    assert "is_concatenated" in moe.unsupported(experts[0])  # interleaved, transposed, biased: transformers' path
+    assert len(experts) == 2 and moe.kernel_modules(gpt_oss) == experts
     block = experts_block(torch.float32)
     for flag, value in (("is_transposed", True), ("has_bias", True), ("has_post_expert_norm", True)):
-        setattr(block, flag, value)
+        setattr(block, flag, value)  # a default-gate module with biases (no bias tensors) is refused, and so on
         assert flag in moe.unsupported(block)
         setattr(block, flag, not value)
     block.act_fn = torch.nn.GELU()
     assert "act_fn" in moe.unsupported(block)
+
+
+def test_near_misses_of_gpt_oss_keep_transformers_path():
+    for flag, value in (("has_bias", False), ("is_concatenated", True), ("is_transposed", False),
+                        ("_is_expert_parallel", True), ("has_post_expert_norm", True)):
+        block = gpt_oss_block(torch.float32, 2)
+        setattr(block, flag, value)
+        assert flag in moe.unsupported(block), flag
+
+    class ClampedElsewhere(GptOssExperts):  # GptOss's layout, another gate
+        def _apply_gate(self, gate_up):
+            return super()._apply_gate(gate_up) * 2
+
+    block = ClampedElsewhere(transformers.GptOssConfig(hidden_size=HIDDEN, intermediate_size=INTER,
+                                                        num_local_experts=EXPERTS))
+    assert "_apply_gate" in moe.unsupported(block)
+    qwen = experts_block(torch.float32)  # the default gate under GptOss's flags
+    qwen.is_concatenated, qwen.is_transposed, qwen.has_bias = False, True, True
+    assert "_apply_gate" in moe.unsupported(qwen)
+    block = gpt_oss_block(torch.float32, 2)
+    block.down_proj_bias = torch.nn.Parameter(torch.zeros(EXPERTS, HIDDEN + 1))
+    assert "down_proj_bias" in moe.unsupported(block)
+    block = gpt_oss_block(torch.float32, 2)
+    block.gate_up_proj_bias.data = block.gate_up_proj_bias.data.bfloat16()
+    assert "bfloat16" in moe.unsupported(block)
+    del block.gate_up_proj_bias
+    assert "gate_up_proj_bias" in moe.unsupported(block)
 
 
 FAMILIES = {  # transformers 5.24's classes on the supported layout (default flags, SiLU)
@@ -189,6 +273,26 @@ def test_engine_switches_experts_for_its_own_forwards_only():
     model.train()
     model(torch.tensor([done[0].prompt_ids])).logits.sum().backward()  # a training forward: the class's own path
     assert seen == [False, False] and experts[0].gate_up_proj.grad is not None
+    for h in hooks:
+        h.remove()
+
+
+def test_engine_switches_gpt_oss_experts_for_its_own_forwards_only():
+    model, _ = tiny("gpt_oss")
+    experts = moe.kernel_modules(model)
+    with torch.no_grad():
+        for m in experts:  # biases that matter (transformers initialises them to zero)
+            m.gate_up_proj_bias.normal_(0, 0.5)
+            m.down_proj_bias.normal_(0, 0.5)
+    seen = []
+    hooks = [m.register_forward_pre_hook(lambda m, args: seen.append("forward" in m.__dict__)) for m in experts]
+    engine = Engine(model, EngineConfig(num_blocks=16, seed=0, attention="triton"))
+    assert isinstance(engine.local_forward, moe.WithExpertsKernels) and engine.local_forward.modules == experts
+    done = engine.generate(random_prompts([5, 9]), SamplingParams(max_new_tokens=3, temperature=0.0,
+                                                                  stop_token_ids=()))
+    assert len(seen) == 2 * 3 and all(seen)  # 2 layers x (a prefill step, two decode steps), each switched
+    assert all("forward" not in m.__dict__ for m in experts)
+    assert max_logprob_diff(model, done) < 1e-4  # the CPU: the modules' own path inside the switch
     for h in hooks:
         h.remove()
 

@@ -7,12 +7,20 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_prompts, teacher_forced_logprobs
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.integrations.moe import grouped_mm_experts_forward
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from unison.engine import Engine, EngineConfig, SamplingParams, moe
-from unison.engine.triton_moe import align, align_reference, block_sizes, experts_reference, fused_experts
+from unison.engine.triton_moe import (
+    ExpertsLayout,
+    align,
+    align_reference,
+    block_sizes,
+    experts_reference,
+    fused_experts,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -25,6 +33,19 @@ def experts_layer(experts, hidden, inter, dtype, seed=0):
         with torch.no_grad():
             block.gate_up_proj.normal_(0, hidden**-0.5)
             block.down_proj.normal_(0, inter**-0.5)
+    return block.to(dtype).requires_grad_(False)
+
+
+def gpt_oss_layer(experts, hidden, inter, dtype, seed=0):
+    """GptOss's experts (transposed, interleaved, biased; limit 7, alpha 1.702) with random weights and biases."""
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        block = GptOssExperts(GptOssConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts))
+        with torch.no_grad():
+            block.gate_up_proj.normal_(0, 3 * hidden**-0.5)  # gate/up of a few units: the clamps at 7 are hit
+            block.gate_up_proj_bias.normal_(0, 0.5)
+            block.down_proj.normal_(0, inter**-0.5)
+            block.down_proj_bias.normal_(0, 0.5)
     return block.to(dtype).requires_grad_(False)
 
 
@@ -59,6 +80,32 @@ def test_kernels_match_reference_and_grouped_mm_on_gpu(tokens, experts, hidden, 
         assert gap < 1e-2
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 64, 256, 1000])
+@pytest.mark.parametrize("experts,hidden,inter,top_k", [(32, 2880, 2880, 4), (12, 512, 200, 2)])
+def test_gpt_oss_kernels_match_reference_and_grouped_mm_on_gpu(tokens, experts, hidden, inter, top_k):
+    fp32 = gpt_oss_layer(experts, hidden, inter, torch.float32)
+    assert moe.unsupported(fp32) is None
+    layout = ExpertsLayout(transposed=True, interleaved=True, gate="gptoss", alpha=fp32.alpha, limit=fp32.limit)
+    x, idx, w = routed(tokens, hidden, experts, top_k, tokens, torch.float32)
+    with torch.inference_mode():
+        out = moe.kernels_forward(fp32, x, idx, w)
+        ref = experts_reference(x, idx, w, fp32.gate_up_proj, fp32.down_proj, gate_up_bias=fp32.gate_up_proj_bias,
+                                down_bias=fp32.down_proj_bias, layout=layout)
+        rel = ((out - ref).norm() / ref.norm()).item()
+        assert rel < 1e-5, f"fp32 kernels vs reference: {rel:.2e}"
+        bf16 = gpt_oss_layer(experts, hidden, inter, torch.bfloat16)
+        xb, wb = x.bfloat16(), w.bfloat16()
+        ours = moe.kernels_forward(bf16, xb, idx, wb)
+        theirs = grouped_mm_experts_forward(bf16, xb, idx, wb)
+        err_ours = ((ours.float() - ref).norm() / ref.norm()).item()
+        err_theirs = ((theirs.float() - ref).norm() / ref.norm()).item()
+        gap = ((ours.float() - theirs.float()).norm() / theirs.float().norm()).item()
+        print(f"GptOss T={tokens} E={experts}: bf16 vs fp32 ours {err_ours:.2e} grouped_mm {err_theirs:.2e}; "
+              f"gap {gap:.2e}")
+        assert err_ours < 1.1 * err_theirs + 1e-4  # at the bf16 floor
+        assert gap < 1e-2
+
+
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 128, 8), (64, 128, 8), (256, 128, 8), (8192, 128, 8),
                                                   (3, 60, 4), (1, 16, 1), (500, 256, 8)])
 def test_routing_kernel_matches_torch_ops_on_gpu(tokens, experts, top_k):
@@ -69,26 +116,28 @@ def test_routing_kernel_matches_torch_ops_on_gpu(tokens, experts, top_k):
         assert torch.equal(getattr(got, field), getattr(ref, field)), field
 
 
-def test_kernels_replay_in_a_cuda_graph_with_new_routing():
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_kernels_replay_in_a_cuda_graph_with_new_routing(family):
     """No host sync and a grid fixed by the shapes: one capture serves any routing written into its inputs."""
-    block = experts_layer(128, 2048, 768, torch.bfloat16)
+    make = experts_layer if family == "qwen3_moe" else gpt_oss_layer
+    block = make(128, 2048, 768, torch.bfloat16)
     x, idx, w = routed(64, 2048, 128, 8, 0, torch.bfloat16)
     with torch.inference_mode():
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            fused_experts(x, idx, w, block.gate_up_proj, block.down_proj)
+            moe.kernels_forward(block, x, idx, w)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = fused_experts(x, idx, w, block.gate_up_proj, block.down_proj)
+            out = moe.kernels_forward(block, x, idx, w)
         for seed in (1, 2):
             x2, idx2, w2 = routed(64, 2048, 128, 8, seed, torch.bfloat16)
             if seed == 2:
                 idx2[:, 0] = 5  # one expert takes every token: several blocks of it
             x.copy_(x2), idx.copy_(idx2), w.copy_(w2)
             graph.replay()
-            eager = fused_experts(x2, idx2, w2, block.gate_up_proj, block.down_proj)
+            eager = moe.kernels_forward(block, x2, idx2, w2)
             assert torch.equal(out, eager)
 
 
@@ -104,13 +153,32 @@ def test_grad_enabled_keeps_transformers_differentiable_path():
         assert moe.kernels_apply(block, x)
 
 
-def test_engine_decodes_through_the_kernels_exactly_in_fp32():
+def moe_model(family: str):
+    """A 2-layer fp32 model with 30 experts, top-4: Qwen3-MoE, or GptOss with biases that matter and its sinks
+    and sliding window."""
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=4096, hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
-                         num_key_value_heads=2, head_dim=64, num_experts=30, num_experts_per_tok=4,
-                         moe_intermediate_size=96, max_position_embeddings=2048, eos_token_id=2)
+    common = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                  head_dim=64, num_experts_per_tok=4, eos_token_id=2)
+    if family == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**common, num_experts=30, moe_intermediate_size=96, max_position_embeddings=2048)
+        cls = Qwen3MoeForCausalLM
+    else:  # its own yarn RoPE and position limit
+        cfg = GptOssConfig(**common, num_local_experts=30, intermediate_size=96, sliding_window=32,
+                           layer_types=["sliding_attention", "full_attention"])
+        cls = GptOssForCausalLM
     with torch.device("cuda"):
-        model = Qwen3MoeForCausalLM._from_config(cfg, attn_implementation="unison", dtype=torch.float32).eval()
+        model = cls._from_config(cfg, attn_implementation="unison", dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("_bias", "sinks")):  # transformers initialises these to zero
+                p.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_engine_decodes_through_the_kernels_exactly_in_fp32(family):
+    model = moe_model(family)
+    assert len(moe.kernel_modules(model)) == 2
     model.set_experts_implementation("batched_mm")  # transformers' fp32 path on CUDA, for the reference forwards
     prompts = random_prompts([7, 33, 100], vocab=4096)
     runs = {}

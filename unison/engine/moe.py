@@ -8,10 +8,12 @@ as ``fused_norms`` does for RMSNorm: a training forward never sees it, and a CUD
 the kernels. A module falls back to its own dispatch (the model's experts implementation) on the CPU and whenever
 autograd would need the result, so the CPU engine stays exact against eager.
 
-Supported: the layout most MoE classes of transformers 5.24 share (Qwen2-MoE, Qwen3-MoE, Mixtral, GLM4-MoE,
-DeepSeek-V2/V3 and the others with the default flags): gate and up concatenated in ``gate_up_proj`` (E, 2I, H),
-``down_proj`` (E, H, I), no bias, no post-expert norm, the default gate with SiLU, no expert parallelism. GptOss
-(interleaved, transposed, biased, clamped gate) and any other layout keep transformers' path.
+Supported, exactly two layouts of transformers 5.24: the one most MoE classes share (Qwen2-MoE, Qwen3-MoE, Mixtral,
+GLM4-MoE, DeepSeek-V2/V3 and the others with the default flags): gate and up concatenated in ``gate_up_proj``
+(E, 2I, H), ``down_proj`` (E, H, I), no bias, the default gate with SiLU; and GptOss's: ``gate_up_proj`` (E, H, 2I)
+transposed with gate and up interleaved, ``down_proj`` (E, I, H), both biased, ``GptOssExperts._apply_gate`` (its
+clamped SwiGLU). Neither with a post-expert norm or expert parallelism. Any other layout or gate (a default-gate
+module with biases, a GptOss subclass with its own gate) keeps transformers' path.
 
 "unison" is also registered in transformers' ``ALL_EXPERTS_FUNCTIONS``, for a model loaded with
 ``experts_implementation="unison"``; there the fallback is ``grouped_mm``.
@@ -25,10 +27,12 @@ from contextlib import contextmanager
 import torch
 from transformers.activations import SiLUActivation
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _default_apply_gate, grouped_mm_experts_forward
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
 EXPERTS_NAME = "unison"
-_FLAGS = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False,
-          "has_post_expert_norm": False, "_is_expert_parallel": False}
+_DEFAULT = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False,
+            "has_post_expert_norm": False, "_is_expert_parallel": False}
+_GPT_OSS = {**_DEFAULT, "is_concatenated": False, "is_transposed": True, "has_bias": True}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -40,24 +44,48 @@ def is_experts_module(module: torch.nn.Module) -> bool:
 def unsupported(module: torch.nn.Module) -> str | None:
     """Why the Triton kernels cannot compute ``module`` exactly as transformers does; None when they can."""
     name = type(module).__name__
-    for flag, want in _FLAGS.items():
-        if getattr(module, flag, None) != want:
-            return f"{name}.{flag} is {getattr(module, flag, None)!r} (the kernels take {want!r})"
-    if type(module)._apply_gate is not _default_apply_gate:
-        return f"{name} has its own _apply_gate"
-    if not isinstance(getattr(module, "act_fn", None), (SiLUActivation, torch.nn.SiLU)):
-        return f"{name}.act_fn is {type(getattr(module, 'act_fn', None)).__name__}, not SiLU"
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
-        return f"{name} has no gate_up_proj / down_proj tensors"
-    if type(gate_up.data) is not torch.Tensor or type(down.data) is not torch.Tensor:
-        return f"{name}'s weights are {type(gate_up.data).__name__} (sharded or quantized), not plain tensors"
-    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] % 2 or down.shape != (
-            gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2):
-        return (f"{name}: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
-                "(E, 2I, H) and (E, H, I)")
-    if gate_up.dtype not in _DTYPES or down.dtype != gate_up.dtype:
-        return f"{name}'s weights are {gate_up.dtype} / {down.dtype}"
+    flags = {flag: getattr(module, flag, None) for flag in _DEFAULT}
+    # the nearer of the two layouts names what differs
+    want = min((_DEFAULT, _GPT_OSS), key=lambda layout: sum(flags[f] != v for f, v in layout.items()))
+    for flag, value in want.items():
+        if flags[flag] != value:
+            return f"{name}.{flag} is {flags[flag]!r} (the kernels take {value!r} with {_layout_name(want)})"
+    if want is _GPT_OSS:
+        if type(module)._apply_gate is not GptOssExperts._apply_gate:
+            return f"{name} has GptOss's layout but its own _apply_gate, not GptOssExperts'"
+        for attr in ("alpha", "limit"):
+            if not isinstance(getattr(module, attr, None), (int, float)):
+                return f"{name}.{attr} is {getattr(module, attr, None)!r}, not a number"
+    else:
+        if type(module)._apply_gate is not _default_apply_gate:
+            return f"{name} has its own _apply_gate"
+        if not isinstance(getattr(module, "act_fn", None), (SiLUActivation, torch.nn.SiLU)):
+            return f"{name}.act_fn is {type(getattr(module, 'act_fn', None)).__name__}, not SiLU"
+    return _weights_unsupported(module, name, transposed=want is _GPT_OSS)
+
+
+def _layout_name(layout: dict) -> str:
+    return "GptOss's layout" if layout is _GPT_OSS else "the default layout"
+
+
+def _weights_unsupported(module: torch.nn.Module, name: str, transposed: bool) -> str | None:
+    names = ("gate_up_proj", "down_proj") + (("gate_up_proj_bias", "down_proj_bias") if transposed else ())
+    tensors = [getattr(module, n, None) for n in names]
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return f"{name} has no {' / '.join(names)} tensors"
+    if any(type(t.data) is not torch.Tensor for t in tensors):
+        return f"{name}'s weights are not plain tensors (sharded or quantized)"
+    gate_up, down = tensors[:2]
+    shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(names, tensors, strict=True))
+    if gate_up.dim() != 3 or down.dim() != 3:
+        return f"{name}: {shapes} are not 3-D expert weights"
+    experts, two_i, hidden = (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1]) if transposed else gate_up.shape
+    want = ((experts, hidden, two_i), (experts, two_i // 2, hidden), (experts, two_i), (experts, hidden)) \
+        if transposed else ((experts, two_i, hidden), (experts, hidden, two_i // 2))
+    if two_i % 2 or any(tuple(t.shape) != w for t, w in zip(tensors, want, strict=True)):
+        return f"{name}: {shapes} are not {', '.join(str(w) for w in want)} (E={experts}, H={hidden}, 2I={two_i})"
+    if gate_up.dtype not in _DTYPES or any(t.dtype != gate_up.dtype for t in tensors):
+        return f"{name}'s weights are {' / '.join(str(t.dtype) for t in tensors)}"
     return None
 
 
@@ -68,14 +96,21 @@ def kernels_apply(module: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
 
 def needs_grad(module: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
     """Autograd records this call (a training forward): the kernels have no backward."""
-    return torch.is_grad_enabled() and (hidden_states.requires_grad or module.gate_up_proj.requires_grad
-                                        or module.down_proj.requires_grad)
+    return torch.is_grad_enabled() and (hidden_states.requires_grad or any(
+        p.requires_grad for p in module.parameters(recurse=False)))
 
 
-def _kernels_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    from .triton_moe import fused_experts
-    return fused_experts(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj)
+def kernels_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor, sizes=None) -> torch.Tensor:
+    """``module`` (one ``unsupported`` passes) on the kernels: ``triton_moe.fused_experts`` in its layout, with
+    ``sizes`` (``triton_moe.BlockSizes``) or the shape's default blocks."""
+    from .triton_moe import ExpertsLayout, fused_experts
+    if not module.has_bias:  # the default layout (``unsupported`` admits these two only)
+        return fused_experts(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj, sizes)
+    layout = ExpertsLayout(transposed=True, interleaved=True, gate="gptoss", alpha=float(module.alpha),
+                           limit=float(module.limit))
+    return fused_experts(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj, sizes,
+                         gate_up_bias=module.gate_up_proj_bias, down_bias=module.down_proj_bias, layout=layout)
 
 
 def unison_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -83,7 +118,7 @@ def unison_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, t
     """The registered "unison" experts function: the kernels where they apply, else transformers' grouped_mm.
     hidden_states: (T, H); top_k_index: (T, K) int; top_k_weights: (T, K). Returns (T, H)."""
     if unsupported(self) is None and kernels_apply(self, hidden_states):
-        return _kernels_forward(self, hidden_states, top_k_index, top_k_weights)
+        return kernels_forward(self, hidden_states, top_k_index, top_k_weights)
     return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
 
@@ -117,7 +152,7 @@ def _scoped_forward(module: torch.nn.Module, original):
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args,
                 **kwargs) -> torch.Tensor:
         if not args and not kwargs and kernels_apply(module, hidden_states):
-            return _kernels_forward(module, hidden_states, top_k_index, top_k_weights)
+            return kernels_forward(module, hidden_states, top_k_index, top_k_weights)
         return original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)  # a call the kernels do not know
     return forward
 

@@ -16,6 +16,11 @@ Then the sum over the top-k in fp32 (torch's, as transformers does it: determini
 
 Rounding follows ``grouped_mm_experts_forward`` step by step: fp32 accumulation, each GEMM's output rounded to the
 weights' dtype, SiLU and the gate product rounded to it, the routing weight applied in the promoted dtype.
+
+``ExpertsLayout`` covers GptOss's experts too: weights transposed ((E, H, 2I) and (E, I, H): only the strides'
+order changes), gate and up interleaved (gate column 2n, up 2n+1: one tile of adjacent columns, split in
+registers), biases (added to each GEMM's rounded output and rounded again, as ``out.add_(bias)``) and its clamped
+SwiGLU (``GptOssExperts._apply_gate``, each torch op's rounding kept).
 """
 
 from __future__ import annotations
@@ -28,6 +33,24 @@ import triton
 import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter's bf16 dot and cast are wrong: see UPCAST
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """How an experts module stores its weights and combines gate and up, in transformers' flags."""
+
+    transposed: bool = False
+    # gate_up_proj (E, H, 2I) and down_proj (E, I, H) (``is_transposed``), not (E, 2I, H) and (E, H, I)
+    interleaved: bool = False
+    # gate and up alternate along 2I (gate 2n, up 2n+1; ``is_concatenated=False``), not the gate half first
+    gate: str = "silu"
+    # "silu": silu(gate) * up (transformers' default ``_apply_gate``); "gptoss": GptOss's, with alpha and limit:
+    # gate clamped to <= limit, up to [-limit, limit], (up + 1) * gate * sigmoid(gate * alpha)
+    alpha: float = 1.0
+    limit: float = 0.0
+
+
+GATES = ("silu", "gptoss")
 
 
 @dataclass(frozen=True)
@@ -123,11 +146,43 @@ def _block_rows(Perm, Bounds, FirstBlock, e, pid_m, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(X, W, Out, Perm, Bounds, FirstBlock, BlockExpert,
-                    stride_xt, stride_we, stride_wn, stride_wk, stride_os,
-                    num_experts, top_k, K, N,
+def _dot_rows(acc, X, rows, live, stride_x, w_base, col, col_ok, stride_wn, stride_wk, K,
+              BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + X[rows] W[:, col] over the K inputs: W's column c, input k at w_base + c * stride_wn + k * stride_wk."""
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        x = tl.load(X + rows[:, None] * stride_x + k[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + col[None, :] * stride_wn + k[:, None] * stride_wk, mask=k_ok[:, None] & col_ok[None, :],
+                    other=0.0)
+        if UPCAST:
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _gated(gate, up, alpha, limit, dtype: tl.constexpr, GATE: tl.constexpr, UPCAST: tl.constexpr):
+    """The gate applied to fp32 ``gate`` and ``up`` (values of ``dtype``), each torch op's result rounded to it."""
+    if GATE == "gptoss":  # GptOssExperts._apply_gate; ``limit`` comes rounded to dtype, so the clamps are exact
+        gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                        propagate_nan=tl.PropagateNan.ALL)
+        scaled = _round(gate * alpha, dtype, UPCAST).to(tl.float32)
+        sig = _round(1.0 / (1.0 + tl.exp(-scaled)), dtype, UPCAST).to(tl.float32)  # sigmoid as torch computes it
+        glu = _round(gate * sig, dtype, UPCAST).to(tl.float32)
+        return _round(_round(up + 1.0, dtype, UPCAST).to(tl.float32) * glu, dtype, UPCAST)
+    act = _round(gate / (1.0 + tl.exp(-gate)), dtype, UPCAST)  # SiLU as torch computes it, rounded as its output
+    return _round(act.to(tl.float32) * up, dtype, UPCAST)
+
+
+@triton.jit
+def _gate_up_kernel(X, W, Bias, Out, Perm, Bounds, FirstBlock, BlockExpert,
+                    stride_xt, stride_we, stride_wn, stride_wk, stride_be, stride_os,
+                    num_experts, top_k, K, N, alpha, limit,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    GATE: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(BlockExpert + pid_m)
     if e >= num_experts:
@@ -135,34 +190,52 @@ def _gate_up_kernel(X, W, Out, Perm, Bounds, FirstBlock, BlockExpert,
     pair, live = _block_rows(Perm, Bounds, FirstBlock, e, pid_m, BLOCK_M)
     token = (pair // top_k).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N  # N: the intermediate width; gate rows n, up rows N + n
+    n_ok = n < N  # N: the intermediate width
     w_base = W + e.to(tl.int64) * stride_we
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # K: the hidden width
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        x = tl.load(X + token[:, None] * stride_xt + k[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        w_gate = tl.load(w_base + n[None, :] * stride_wn + k[:, None] * stride_wk, mask=w_mask, other=0.0)
-        w_up = tl.load(w_base + (n[None, :] + N) * stride_wn + k[:, None] * stride_wk, mask=w_mask, other=0.0)
-        if UPCAST:
-            x, w_gate, w_up = x.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
-        acc_gate = tl.dot(x, w_gate, acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(x, w_up, acc_up, input_precision=PRECISION)
+    bias_base = Bias + e.to(tl.int64) * stride_be
     dtype = Out.dtype.element_ty
-    gate = _round(acc_gate, dtype, UPCAST).to(tl.float32)
-    act = _round(gate / (1.0 + tl.exp(-gate)), dtype, UPCAST)  # SiLU as torch computes it, rounded as its output
-    hidden = _round(act.to(tl.float32) * _round(acc_up, dtype, UPCAST).to(tl.float32), dtype, UPCAST)
+    if INTERLEAVED:  # gate column 2n, up 2n+1: one tile of 2 * BLOCK_N adjacent columns, split after rounding
+        col = 2 * pid_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        col_ok = col < 2 * N
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        acc = _dot_rows(acc, X, token, live, stride_xt, w_base, col, col_ok, stride_wn, stride_wk, K,
+                        BLOCK_K, UPCAST, PRECISION)
+        both = _round(acc, dtype, UPCAST).to(tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(bias_base + col, mask=col_ok, other=0.0).to(tl.float32)
+            both = _round(both + bias[None, :], dtype, UPCAST).to(tl.float32)
+        gate, up = tl.split(tl.reshape(both, (BLOCK_M, BLOCK_N, 2)))
+    else:  # gate rows n, up rows N + n
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # K: the hidden width
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            x = tl.load(X + token[:, None] * stride_xt + k[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
+            w_mask = k_ok[:, None] & n_ok[None, :]
+            w_gate = tl.load(w_base + n[None, :] * stride_wn + k[:, None] * stride_wk, mask=w_mask, other=0.0)
+            w_up = tl.load(w_base + (n[None, :] + N) * stride_wn + k[:, None] * stride_wk, mask=w_mask, other=0.0)
+            if UPCAST:
+                x, w_gate, w_up = x.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
+            acc_gate = tl.dot(x, w_gate, acc_gate, input_precision=PRECISION)
+            acc_up = tl.dot(x, w_up, acc_up, input_precision=PRECISION)
+        gate = _round(acc_gate, dtype, UPCAST).to(tl.float32)
+        up = _round(acc_up, dtype, UPCAST).to(tl.float32)
+        if HAS_BIAS:
+            bias_gate = tl.load(bias_base + n, mask=n_ok, other=0.0).to(tl.float32)
+            bias_up = tl.load(bias_base + N + n, mask=n_ok, other=0.0).to(tl.float32)
+            gate = _round(gate + bias_gate[None, :], dtype, UPCAST).to(tl.float32)
+            up = _round(up + bias_up[None, :], dtype, UPCAST).to(tl.float32)
+    hidden = _gated(gate, up, alpha, limit, dtype, GATE, UPCAST)
     tl.store(Out + pair.to(tl.int64)[:, None] * stride_os + n[None, :], hidden, mask=live[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _down_kernel(A, W, RouteW, Out, Perm, Bounds, FirstBlock, BlockExpert,
-                 stride_as, stride_we, stride_wn, stride_wk, stride_os,
+def _down_kernel(A, W, Bias, RouteW, Out, Perm, Bounds, FirstBlock, BlockExpert,
+                 stride_as, stride_we, stride_wn, stride_wk, stride_be, stride_os,
                  num_experts, N, K,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(BlockExpert + pid_m)
     if e >= num_experts:
@@ -170,19 +243,14 @@ def _down_kernel(A, W, RouteW, Out, Perm, Bounds, FirstBlock, BlockExpert,
     pair, live = _block_rows(Perm, Bounds, FirstBlock, e, pid_m, BLOCK_M)
     rows = pair.to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N  # N: the hidden width
-    w_base = W + e.to(tl.int64) * stride_we
+    n_ok = n < N  # N: the hidden width; K: the intermediate width
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # K: the intermediate width
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        a = tl.load(A + rows[:, None] * stride_as + k[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_base + n[None, :] * stride_wn + k[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :],
-                    other=0.0)
-        if UPCAST:
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    acc = _dot_rows(acc, A, rows, live, stride_as, W + e.to(tl.int64) * stride_we, n, n_ok, stride_wn, stride_wk, K,
+                    BLOCK_K, UPCAST, PRECISION)
     proj = _round(acc, W.dtype.element_ty, UPCAST).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(Bias + e.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
+        proj = _round(proj + bias[None, :], W.dtype.element_ty, UPCAST).to(tl.float32)
     route = tl.load(RouteW + rows, mask=live, other=0.0).to(tl.float32)
     out = _round(proj * route[:, None], Out.dtype.element_ty, UPCAST)
     tl.store(Out + rows[:, None] * stride_os + n[None, :], out, mask=live[:, None] & n_ok[None, :])
@@ -213,19 +281,59 @@ def block_sizes(pairs: int, experts: int, dtype: torch.dtype = torch.bfloat16) -
     return BlockSizes(64, 128, 64 // wide, num_warps=8)
 
 
+def experts_shape(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, layout: ExpertsLayout) -> tuple[int, int, int]:
+    """(E, H, I) of an experts layer's weights in ``layout``; ValueError if the two do not make one layer."""
+    if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
+        raise ValueError(f"gate_up_proj {tuple(gate_up_proj.shape)} and down_proj {tuple(down_proj.shape)} are not "
+                         "3-D expert weights (E, ., .)")
+    if layout.transposed:
+        experts, hidden, two_i = gate_up_proj.shape
+        down = (experts, two_i // 2, hidden)
+    else:
+        experts, two_i, hidden = gate_up_proj.shape
+        down = (experts, hidden, two_i // 2)
+    if two_i % 2 or tuple(down_proj.shape) != down:
+        raise ValueError(f"gate_up_proj {tuple(gate_up_proj.shape)} and down_proj {tuple(down_proj.shape)} are not "
+                         f"one experts layer ({'transposed' if layout.transposed else 'transformers default'} layout: "
+                         f"down_proj {down} expected)")
+    return experts, hidden, two_i // 2
+
+
+def _strides(weight: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
+    """(per expert, per output column, per input) of a 3-D expert weight."""
+    s = weight.stride()
+    return (s[0], s[2], s[1]) if transposed else s
+
+
+def _bias(bias: torch.Tensor | None, shape: tuple[int, int], name: str, weight: torch.Tensor):
+    """(the bias or a placeholder pointer, its expert stride, whether there is one)."""
+    if bias is None:
+        return weight, 0, False
+    if tuple(bias.shape) != shape:
+        raise ValueError(f"fused_experts: {name} is {tuple(bias.shape)}, not {shape}")
+    bias = bias if bias.stride(-1) == 1 else bias.contiguous()
+    return bias, bias.stride(0), True
+
+
 def fused_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                  gate_up_proj: torch.Tensor, down_proj: torch.Tensor, sizes: BlockSizes | None = None) -> torch.Tensor:
-    """sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = top_k_index[t, k], in two kernels.
+                  gate_up_proj: torch.Tensor, down_proj: torch.Tensor, sizes: BlockSizes | None = None, *,
+                  gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                  layout: ExpertsLayout = ExpertsLayout()) -> torch.Tensor:
+    """sum_k w[t, k] * down_e(gate(gate_up_e(x_t))) with e = top_k_index[t, k], in two kernels.
 
     hidden_states: (T, H); top_k_index: (T, K) int; top_k_weights: (T, K); gate_up_proj: (E, 2I, H) (gate rows
-    first); down_proj: (E, H, I), transformers' non-transposed layout, read in place. Returns (T, H) in the
-    hidden states' dtype."""
+    first), down_proj: (E, H, I), transformers' default layout, or as ``layout`` says ((E, H, 2I) and (E, I, H)
+    transposed; gate and up interleaved), read in place; gate_up_bias: (E, 2I) and down_bias: (E, H) or None.
+    Returns (T, H) in the hidden states' dtype."""
+    if layout.gate not in GATES:
+        raise ValueError(f"fused_experts: gate {layout.gate!r} is not one of {GATES}")
     tokens, top_k = top_k_index.shape
-    experts, two_i, hidden = gate_up_proj.shape
-    inter = two_i // 2
-    if down_proj.shape != (experts, hidden, inter) or hidden_states.shape != (tokens, hidden):
-        raise ValueError(f"fused_experts: hidden {tuple(hidden_states.shape)}, gate_up {tuple(gate_up_proj.shape)} "
-                         f"and down {tuple(down_proj.shape)} do not make one experts layer")
+    experts, hidden, inter = experts_shape(gate_up_proj, down_proj, layout)
+    if hidden_states.shape != (tokens, hidden):
+        raise ValueError(f"fused_experts: hidden {tuple(hidden_states.shape)} and top_k_index "
+                         f"{tuple(top_k_index.shape)} do not fit weights of hidden width {hidden}")
+    gate_up_bias, stride_gb, gate_up_has_bias = _bias(gate_up_bias, (experts, 2 * inter), "gate_up_bias", gate_up_proj)
+    down_bias, stride_db, down_has_bias = _bias(down_bias, (experts, hidden), "down_bias", down_proj)
     dtype = gate_up_proj.dtype
     x = hidden_states.to(dtype)
     if x.stride(-1) != 1:
@@ -241,24 +349,39 @@ def fused_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_
     launch = dict(BLOCK_M=sizes.block_m, BLOCK_N=sizes.block_n, BLOCK_K=sizes.block_k, UPCAST=_INTERPRET,
                   PRECISION=precision, num_warps=sizes.num_warps, num_stages=sizes.num_stages)
     meta = (routing.perm, routing.bounds, routing.first_block, routing.block_expert)
+    limit = torch.tensor(layout.limit, dtype=dtype).item()  # torch clamps a tensor at the limit in its dtype
     act = torch.empty(pairs, inter, dtype=dtype, device=x.device)
     _gate_up_kernel[(nb, triton.cdiv(inter, sizes.block_n))](
-        x, gate_up_proj, act, *meta, x.stride(0), *gate_up_proj.stride(), act.stride(0),
-        experts, top_k, hidden, inter, **launch)
+        x, gate_up_proj, gate_up_bias, act, *meta, x.stride(0), *_strides(gate_up_proj, layout.transposed),
+        stride_gb, act.stride(0), experts, top_k, hidden, inter, layout.alpha, limit,
+        INTERLEAVED=layout.interleaved, HAS_BIAS=gate_up_has_bias, GATE=layout.gate, **launch)
     per_pair = torch.empty(pairs, hidden, dtype=torch.promote_types(dtype, weights.dtype), device=x.device)
     _down_kernel[(nb, triton.cdiv(hidden, sizes.block_n))](
-        act, down_proj, weights, per_pair, *meta, act.stride(0), *down_proj.stride(), per_pair.stride(0),
-        experts, hidden, inter, **launch)
+        act, down_proj, down_bias, weights, per_pair, *meta, act.stride(0), *_strides(down_proj, layout.transposed),
+        stride_db, per_pair.stride(0), experts, hidden, inter, HAS_BIAS=down_has_bias, **launch)
     return per_pair.view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
 
 
+def gate_reference(gate_up: torch.Tensor, layout: ExpertsLayout) -> torch.Tensor:
+    """The gate of ``layout`` on rows of ``gate_up`` (S, 2I) of the weights' dtype, in torch ops: (S, I)."""
+    gate, up = (gate_up[:, ::2], gate_up[:, 1::2]) if layout.interleaved else gate_up.chunk(2, dim=-1)
+    if layout.gate == "gptoss":
+        gate, up = gate.clamp(max=layout.limit), up.clamp(-layout.limit, layout.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * layout.alpha))
+    return torch.nn.functional.silu(gate) * up
+
+
 def experts_reference(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                      gate_up_proj: torch.Tensor, down_proj: torch.Tensor, block_m: int = 16) -> torch.Tensor:
+                      gate_up_proj: torch.Tensor, down_proj: torch.Tensor, block_m: int = 16, *,
+                      gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                      layout: ExpertsLayout = ExpertsLayout()) -> torch.Tensor:
     """What ``fused_experts`` computes, in PyTorch: block by block over ``align_reference``, fp32 products rounded
     where the kernels round. Raises AssertionError if the blocks do not cover every pair exactly once."""
     tokens, top_k = top_k_index.shape
-    experts, two_i, hidden = gate_up_proj.shape
-    inter, dtype = two_i // 2, gate_up_proj.dtype
+    experts, hidden, _ = experts_shape(gate_up_proj, down_proj, layout)
+    dtype = gate_up_proj.dtype
+    if layout.transposed:  # as (E, 2I, H) and (E, H, I) views
+        gate_up_proj, down_proj = gate_up_proj.transpose(1, 2), down_proj.transpose(1, 2)
     x = hidden_states.to(dtype)
     routing = align_reference(top_k_index, experts, block_m)
     weights = top_k_weights.reshape(-1)
@@ -272,12 +395,12 @@ def experts_reference(hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
         lo = bounds[e] + (b - first[e]) * block_m
         pair = routing.perm[lo:min(lo + block_m, bounds[e + 1])]
         seen[pair] += 1
-        rows = x[pair // top_k].float()
-        gate = (rows @ gate_up_proj[e, :inter].float().T).to(dtype).float()
-        up = (rows @ gate_up_proj[e, inter:].float().T).to(dtype).float()
-        act = (gate / (1 + torch.exp(-gate))).to(dtype).float()
-        mid = (act * up).to(dtype).float()
-        proj = (mid @ down_proj[e].float().T).to(dtype).float()
-        per_pair[pair] = (proj * weights[pair].float()[:, None]).to(out_dtype)
+        gate_up = (x[pair // top_k].float() @ gate_up_proj[e].float().T).to(dtype)
+        if gate_up_bias is not None:
+            gate_up.add_(gate_up_bias[e])  # in the weights' dtype, as transformers' out.add_(bias)
+        proj = (gate_reference(gate_up, layout).float() @ down_proj[e].float().T).to(dtype)
+        if down_bias is not None:
+            proj.add_(down_bias[e])
+        per_pair[pair] = (proj.float() * weights[pair].float()[:, None]).to(out_dtype)
     assert bool((seen == 1).all()), f"blocks cover pairs {seen.tolist()} times, not once each"
     return per_pair.view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)

@@ -46,9 +46,10 @@ class EngineConfig:
     on the CPU the same static-buffer path runs eagerly)."""
     moe_kernel: Literal["triton", "transformers"] = "triton"
     """A mixture-of-experts model's experts in the engine's forwards on CUDA: unison's Triton kernels (the routing
-    permutation folded into their loads, no host sync; the common layout only: gate and up concatenated, no bias,
-    SiLU), or the model's own transformers experts implementation (grouped_mm by default). Training and the CPU
-    always run the latter, as do other layouts (GptOss)."""
+    permutation folded into their loads, no host sync; two layouts: the common one, gate and up concatenated, no
+    bias, SiLU, and GptOss's, transposed, interleaved, biased, its clamped SwiGLU), or the model's own transformers
+    experts implementation (grouped_mm by default). Training and the CPU always run the latter, as do other
+    layouts."""
 
     def __post_init__(self):
         if self.num_blocks < 0:
