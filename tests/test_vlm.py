@@ -332,3 +332,18 @@ def test_a_text_models_prompt_of_text_parts_renders_as_its_string():
     tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     parts = [{"role": "user", "content": [{"type": "text", "text": "w5 w6"}, {"type": "text", "text": "w7"}]}]
     assert encode_prompt(tok, parts) == encode_prompt(tok, [{"role": "user", "content": "w5 w6\nw7"}]) == [5, 6, 7]
+
+
+def test_images_that_are_not_the_prompts_are_refused_at_submit(vlm_pair):
+    family, model, processor = vlm_pair
+    prompter = ImagePrompter(model, processor)
+    ids, prompt = prompter(user_turn(TEXT), [random_image(0)])
+    other_ids, _ = prompter(user_turn("w4", 2), [random_image(1), random_image(2)])
+    engine = Engine(model, EngineConfig(num_blocks=64, block_size=4, seed=0))
+    with pytest.raises(ValueError, match="image tokens"):
+        engine.submit(other_ids, SamplingParams(max_new_tokens=2), images=prompt)
+    with pytest.raises(ValueError, match="image tokens"):
+        engine.submit([5, 6, 7], SamplingParams(max_new_tokens=2), images=prompt)
+    assert engine.num_unfinished == 0
+    engine.submit(ids, SamplingParams(max_new_tokens=2), images=prompt)
+    assert engine.num_unfinished == 1

@@ -144,7 +144,8 @@ class Engine:
         prompt = [int(t) for t in prompt_ids]
         self._validate(prompt, params)
         if images is not None:
-            self._validate_images(prompt, images)
+            family = self.vision or vlm.family_of(self.model)  # raises, naming the classes that take images
+            images.check(prompt, vlm.image_token_id(self.model), family.mrope)
         group = f"g{self._groups}"
         self._groups += 1
         stop = frozenset(self.eos_ids if params.stop_token_ids is None else params.stop_token_ids)
@@ -180,21 +181,6 @@ class Engine:
         if blocks > self.config.num_blocks:
             raise ValueError(f"a request of up to {tokens} tokens needs {blocks} KV blocks but the pool has "
                              f"{self.config.num_blocks}: raise EngineConfig.num_blocks or lower max_new_tokens")
-
-    def _validate_images(self, prompt: list[int], images: ImagePrompt) -> None:
-        if self.vision is None:
-            vlm.family_of(self.model)  # raises, naming the class and the ones that take images
-        token = vlm.image_token_id(self.model)
-        at = images.at.tolist()
-        if not at or at[-1] >= len(prompt) or any(prompt[i] != token for i in at):
-            raise ValueError(f"the images' {len(at)} placeholder positions are not image tokens ({token}) of this "
-                             f"prompt of {len(prompt)} tokens")
-        if sum(t == token for t in prompt) != len(at):
-            raise ValueError(f"the prompt holds {sum(t == token for t in prompt)} image tokens and its images fill "
-                             f"{len(at)}")
-        if self.vision.mrope and (images.rope is None or images.rope.shape[1] != len(prompt)):
-            raise ValueError(f"{type(self.model).__name__} needs the prompt's multimodal RoPE positions for all "
-                             f"{len(prompt)} tokens")
 
     def extend(self, request_id: str, token_ids: list[int], params: SamplingParams | None = None) -> str:
         """Continue a finished continuable request: append ``token_ids`` (a tool's or environment's turn) and

@@ -47,6 +47,19 @@ class ImagePrompt:
     def num_tokens(self) -> int:
         return len(self.at)
 
+    def check(self, prompt: list[int], image_token: int, mrope: bool) -> None:
+        """ValueError unless these are ``prompt``'s images: its image tokens exactly at ``at`` (and, for multimodal
+        RoPE, a position for each of its tokens)."""
+        at = self.at.tolist()
+        if not at or at[-1] >= len(prompt) or any(prompt[i] != image_token for i in at):
+            raise ValueError(f"the images' {len(at)} placeholder positions are not image tokens ({image_token}) of "
+                             f"this prompt of {len(prompt)} tokens")
+        held = sum(t == image_token for t in prompt)
+        if held != len(at):
+            raise ValueError(f"the prompt holds {held} image tokens and its images fill {len(at)}")
+        if mrope and (self.rope is None or self.rope.shape[1] != len(prompt)):
+            raise ValueError(f"multimodal RoPE needs the prompt's positions for all {len(prompt)} tokens")
+
     def rope_positions(self, start: int, end: int) -> torch.Tensor:
         """(3, end - start) int64 RoPE positions of tokens ``[start, end)`` (prompt or later)."""
         p = self.rope.shape[1] if self.rope is not None else 0
