@@ -101,7 +101,7 @@ def test_same_text_with_other_images_shares_no_kv_and_answers_otherwise(vlm_pair
     other = run(engine, [(*b, greedy)])[0]
     # Only the blocks before the first image token are shared (the image starts at token 2: block 0 holds it).
     shared = engine.scheduler.prefix_hits - hits
-    assert shared == (a[1].first_block_token // 4) * 4
+    assert shared == (a[1].first_image_token // 4) * 4
     assert other.token_ids != first.token_ids
     again = run(engine, [(*a2, greedy)])[0]
     assert engine.scheduler.prefix_hits - hits - shared == (len(a[0]) - 1) // 4 * 4  # the same image: all reused

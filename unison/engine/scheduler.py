@@ -190,7 +190,7 @@ class Scheduler:
             images = req.images
             req.prefix_hashes = prefix_hashes(req.prompt, self.block_size, len(req.prompt) // self.block_size,
                                               images.digest if images is not None else b"",
-                                              images.first_block_token if images is not None else 0)
+                                              images.first_image_token if images is not None else 0)
         hits, pending = self.allocator.lookup(req.prefix_hashes[:cacheable])
         if self.snapshots is not None:  # a hybrid model shares a prefix only where a state of it was kept
             keep = next((n for n in range(len(hits), 0, -1) if req.prefix_hashes[n - 1] in self.snapshots), 0)

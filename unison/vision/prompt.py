@@ -38,10 +38,11 @@ class ImagePrompt:
     """Qwen3-VL: per early decoder layer, (N, D) features added at the placeholders."""
     images: list = field(default_factory=list)
     """The images themselves (PIL), as a ``unison serve`` request carries them."""
-    first_block_token: int = field(init=False)
 
-    def __post_init__(self):
-        self.first_block_token = int(self.at[0]) if len(self.at) else 0
+    @property
+    def first_image_token(self) -> int:
+        """The position of the first placeholder: where the prefix cache's hashes start to hold the image content."""
+        return int(self.at[0]) if len(self.at) else 0
 
     @property
     def num_tokens(self) -> int:
@@ -101,9 +102,10 @@ class ImagePrompter:
         self.image_token = vlm.image_token_id(model)
 
     def __call__(self, messages: list[dict], images: list) -> tuple[list[int], ImagePrompt]:
-        text = render(self.processor, messages)
-        out = self.processor(text=[text], images=images, return_tensors="pt")
-        return self.from_processed(out, images)
+        (result,) = self.batch([(messages, images)])
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     def from_ids(self, prompt_ids: list[int], images: list) -> ImagePrompt:
         """The images of a prompt whose image tokens are already expanded (a ``unison serve`` request's)."""
