@@ -15,7 +15,7 @@ import json
 import time
 
 import torch
-from engine import SHAPES, build
+from engine import SHAPES, build, commit, machine_ceilings
 from memory import GROUP, PROMPT_TOKENS, PROMPTS, scored_samples
 
 from unison.engine import Engine, EngineConfig, SamplingParams
@@ -40,6 +40,8 @@ def main():
     p.add_argument("--shape", default="qwen3-1.7b", choices=sorted(SHAPES))
     p.add_argument("--new", type=int, default=512)
     p.add_argument("--rows", type=int, nargs="+", default=[4096, 8192, 16384], help="max_tokens_per_row values")
+    p.add_argument("--kernels", default="both", choices=["on", "off", "both"],
+                   help="the trainer's fused kernels (step.fused_kernels): each row size with them, without, or both")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device(args.device)
@@ -55,24 +57,36 @@ def main():
     del engine
     opt = build_optimizer(model.named_parameters(), OptimConfig(lr=1e-6), total_steps=100)
 
-    def step(rows: int) -> dict:
-        metrics = train_step(model, opt, samples, LossConfig(), 1.0, rows, 0, 1024)
+    def step(rows: int, kernels: bool = True) -> dict:
+        metrics = train_step(model, opt, samples, LossConfig(), 1.0, rows, 0, 1024, kernels=kernels)
         model.load_state_dict(start)  # the same weights for every measurement
         return metrics
 
-    out = {"shape": args.shape, "samples": len(samples), "tokens": sum(s.num_tokens for s in samples), "rows": {}}
-    step(args.rows[0])  # warm-up
+    tokens = sum(s.num_tokens for s in samples)
+    params = sum(p_.numel() for p_ in model.parameters())
+    ceilings = machine_ceilings(args.device)
+    out = {"shape": args.shape, "commit": commit(), "samples": len(samples), "tokens": tokens, "params": params,
+           "ceilings": ceilings, "mfu": "6 x params x tokens / train_s / bf16_flops_per_s", "rows": {},
+           "rows_without_kernels": {}}
+    settings = {"on": [True], "off": [False], "both": [True, False]}[args.kernels]
+    for kernels in settings:
+        step(args.rows[0], kernels)  # warm-up (Triton compiles its kernels in the first)
     for rows in args.rows:
-        try:
-            seconds = min(timed(device, lambda r=rows: step(r)) for _ in range(2))
-            out["rows"][rows] = {"train_s": seconds, "peak_gib": torch.cuda.max_memory_allocated() / 2**30
-                                 if device.type == "cuda" else None}
-        except torch.OutOfMemoryError as e:
-            out["rows"][rows] = {"error": str(e)[:200]}
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        print(f"max_tokens_per_row {rows}: {out['rows'][rows]}", flush=True)
+        for kernels in settings:
+            key = "rows" if kernels else "rows_without_kernels"
+            try:
+                seconds = min(timed(device, lambda r=rows, k=kernels: step(r, k)) for _ in range(2))
+                entry = {"train_s": seconds, "peak_gib": torch.cuda.max_memory_allocated() / 2**30
+                         if device.type == "cuda" else None}
+                if ceilings["bf16_flops_per_s"]:
+                    entry["mfu"] = 6 * params * tokens / seconds / ceilings["bf16_flops_per_s"]
+                out[key][rows] = entry
+            except torch.OutOfMemoryError as e:
+                out[key][rows] = {"error": str(e)[:200]}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            print(f"max_tokens_per_row {rows}, kernels {kernels}: {out[key][rows]}", flush=True)
     for p_ in model.parameters():  # the optimizer alone, on gradients of the right shapes
         p_.grad = torch.full_like(p_, 1e-4)
     out["optimizer_s"] = min(timed(device, opt.step) for _ in range(2))
@@ -81,13 +95,15 @@ def main():
     activities = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as prof:
-        step(args.rows[0])
+        step(args.rows[0], settings[0])
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=20)
     print(table)
     out["top_ops"] = table
     print(f"optimizer alone {out['optimizer_s']:.3f} s; " + ", ".join(
-        f"rows {r}: {v.get('train_s', float('nan')):.3f} s" for r, v in out["rows"].items()))
+        f"rows {r}{'' if key == 'rows' else ' (no kernels)'}: {v.get('train_s', float('nan')):.3f} s, "
+        f"MFU {v.get('mfu', float('nan')):.3f}" for key in ("rows", "rows_without_kernels")
+        for r, v in out[key].items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

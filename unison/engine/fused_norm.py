@@ -48,13 +48,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @contextmanager
-def fused_norms(model: torch.nn.Module):
-    """Within the block, every RMSNorm of a known class in ``model`` runs as one kernel."""
+def fused_norms(model: torch.nn.Module, norm=None):
+    """Within the block, every RMSNorm of a known class in ``model`` runs as one kernel: ``norm(x, weight, eps)``,
+    this module's ``rms_norm`` unless given (the trainer passes its differentiable one,
+    ``unison.train.fused.rms_norm``)."""
+    norm = norm or rms_norm
     patched = []
     for module in model.modules():
-        if type(module).__name__ in NORM_CLASSES and hasattr(module, "variance_epsilon"):
+        if (type(module).__name__ in NORM_CLASSES and hasattr(module, "variance_epsilon")
+                and type(module.weight) in (torch.Tensor, torch.nn.Parameter)):  # not a DTensor
             patched.append((module, module.__dict__.get("forward")))
-            module.forward = _fused_forward(module)
+            module.forward = _fused_forward(module, norm)
     try:
         yield len(patched)
     finally:
@@ -65,7 +69,7 @@ def fused_norms(model: torch.nn.Module):
                 module.forward = own
 
 
-def _fused_forward(module: torch.nn.Module):
+def _fused_forward(module: torch.nn.Module, norm):
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, module.weight, module.variance_epsilon)
+        return norm(hidden_states, module.weight, module.variance_epsilon)
     return forward

@@ -30,46 +30,57 @@ ATTENTION_CLASSES = {"LlamaAttention", "Qwen2Attention", "Qwen3Attention", "Mist
                      "Qwen3MoeAttention"}  # Qwen3-MoE's attention and apply_rotary_pos_emb are Qwen3's
 
 
-@triton.jit
-def _rope_kernel(Q, K, QO, KO, Cos, Sin, n_tokens, q_heads,
+@triton.jit(do_not_specialize=["n_tokens", "sq_b", "sk_b", "sc_b"])  # a training row's length: no variant per row
+def _rope_kernel(Q, K, QO, KO, Cos, Sin, n_tokens, q_heads, k_heads,
                  sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sc_b, sc_t,
-                 HALF: tl.constexpr, BLOCK: tl.constexpr):
-    bt = tl.program_id(0).to(tl.int64)  # (batch, token)
-    head = tl.program_id(1)  # query heads first, then key heads
+                 HALF: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr, BACKWARD: tl.constexpr = False):
+    """One (batch, token) and HEADS of its heads (query heads first, then key heads)."""
+    bt = tl.program_id(0).to(tl.int64)
     b, t = bt // n_tokens, bt % n_tokens
-    d = tl.arange(0, BLOCK)
-    mask = d < 2 * HALF
+    head = (tl.program_id(1) * HEADS + tl.arange(0, HEADS))[:, None].to(tl.int64)
+    d = tl.arange(0, BLOCK)[None, :]
+    mask = (d < 2 * HALF) & (head < q_heads + k_heads)
     first = d < HALF
     partner = tl.where(first, d + HALF, d - HALF)
-    if head < q_heads:
-        src = Q + b * sq_b + head * sq_h + t * sq_t
-        dst = QO + b * sq_b + head * sq_h + t * sq_t
+    is_q = head < q_heads
+    q_off = b * sq_b + head * sq_h + t * sq_t
+    k_off = b * sk_b + (head - q_heads) * sk_h + t * sk_t
+    src_q, src_k = Q + q_off, K + k_off
+    x = tl.where(is_q, tl.load(src_q + d, mask=mask & is_q, other=0.0),
+                 tl.load(src_k + d, mask=mask & ~is_q, other=0.0))
+    other = tl.where(is_q, tl.load(src_q + partner, mask=mask & is_q, other=0.0),
+                     tl.load(src_k + partner, mask=mask & ~is_q, other=0.0))
+    cos = tl.load(Cos + b * sc_b + t * sc_t + d, mask=d < 2 * HALF, other=0.0).to(tl.float32)
+    if BACKWARD:  # the transpose: dx1 = dy1 * cos1 + dy2 * sin2, dx2 = dy2 * cos2 - dy1 * sin1
+        rotated = tl.where(first, other.to(tl.float32), -other.to(tl.float32))
+        sin = tl.load(Sin + b * sc_b + t * sc_t + partner, mask=d < 2 * HALF, other=0.0).to(tl.float32)
     else:
-        src = K + b * sk_b + (head - q_heads) * sk_h + t * sk_t
-        dst = KO + b * sk_b + (head - q_heads) * sk_h + t * sk_t
-    x = tl.load(src + d, mask=mask, other=0.0)
-    other = tl.load(src + partner, mask=mask, other=0.0)
-    rotated = tl.where(first, -other.to(tl.float32), other.to(tl.float32))  # rotate_half: cat(-x2, x1)
-    cos = tl.load(Cos + b * sc_b + t * sc_t + d, mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(Sin + b * sc_b + t * sc_t + d, mask=mask, other=0.0).to(tl.float32)
-    # transformers' rounding: (x * cos) and (rotate_half(x) * sin) each in the tensor dtype, then their sum.
-    # (The GPU compiler may still contract one product into the add: a rounding step off for ~1/4 of elements.)
+        rotated = tl.where(first, -other.to(tl.float32), other.to(tl.float32))  # rotate_half: cat(-x2, x1)
+        sin = tl.load(Sin + b * sc_b + t * sc_t + d, mask=d < 2 * HALF, other=0.0).to(tl.float32)
+    # transformers' rounding: (x * cos) and (rotate_half(x) * sin) each in the tensor dtype, then their sum (the
+    # launch turns off multiply-add contraction, which would skip a rounding).
     a = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
     r = (rotated * sin).to(x.dtype).to(tl.float32)
-    tl.store(dst + d, (a + r).to(x.dtype), mask=mask)
+    out = (a + r).to(x.dtype)
+    tl.store(QO + q_off + d, out, mask=mask & is_q)
+    tl.store(KO + k_off + d, out, mask=mask & ~is_q)
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-         ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool = False,
+         heads_per_program: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """q: (B, H, T, D), k: (B, KVH, T, D), any strides with a contiguous last dimension; cos, sin: (B or 1, T, D)
-    with a contiguous last dimension. Returns (q_embed, k_embed), each laid out like its input."""
+    with a contiguous last dimension. Returns (q_embed, k_embed), each laid out like its input; with ``backward``,
+    the gradients w.r.t. q and k of that function given q and k as the gradients of its outputs."""
     bsz, heads, tokens, dim = q.shape
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     sc_b = cos.stride(0) if cos.shape[0] > 1 else 0
-    _rope_kernel[(bsz * tokens, heads + k.shape[1])](
-        q, k, q_out, k_out, cos, sin, tokens, heads,
+    total = heads + k.shape[1]
+    per_program = min(triton.next_power_of_2(total), heads_per_program)
+    _rope_kernel[(bsz * tokens, triton.cdiv(total, per_program))](
+        q, k, q_out, k_out, cos, sin, tokens, heads, k.shape[1],
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), sc_b, cos.stride(1),
-        HALF=dim // 2, BLOCK=triton.next_power_of_2(dim), num_warps=1)
+        HALF=dim // 2, BLOCK=triton.next_power_of_2(dim), HEADS=per_program, BACKWARD=backward,
+        num_warps=1 if per_program * dim <= 512 else 4, enable_fp_fusion=False)
     return q_out, k_out
 
 
@@ -84,14 +95,16 @@ def _covered(q, k, cos, sin, unsqueeze_dim) -> bool:
 
 
 @contextmanager
-def fused_rope(model: torch.nn.Module):
-    """Within the block, the attention of every known class in ``model`` applies RoPE with one kernel. Yields the
-    number of modeling modules switched."""
+def fused_rope(model: torch.nn.Module, apply=None):
+    """Within the block, the attention of every known class in ``model`` applies RoPE with one kernel,
+    ``apply(q, k, cos, sin)``: this module's ``rope`` (looked up on entry) unless given (the trainer passes its
+    differentiable one, ``unison.train.fused.rope``). Yields the number of modeling modules switched."""
+    apply = apply or rope
     modules = {sys.modules[type(m).__module__] for m in model.modules()
                if type(m).__name__ in ATTENTION_CLASSES}
     originals = [(mod, mod.apply_rotary_pos_emb) for mod in modules if hasattr(mod, "apply_rotary_pos_emb")]
     for mod, original in originals:
-        mod.apply_rotary_pos_emb = _fused(original)
+        mod.apply_rotary_pos_emb = _fused(original, apply)
     try:
         yield len(originals)
     finally:
@@ -99,9 +112,9 @@ def fused_rope(model: torch.nn.Module):
             mod.apply_rotary_pos_emb = original
 
 
-def _fused(original):
+def _fused(original, apply):
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if not _covered(q, k, cos, sin, unsqueeze_dim):
             return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-        return rope(q, k, cos, sin)
+        return apply(q, k, cos, sin)
     return apply_rotary_pos_emb

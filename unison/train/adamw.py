@@ -22,11 +22,21 @@ class AdamState:
 
 
 def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
-               step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+               step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+               grad_scale: float = 1.0, kernel: bool = True) -> None:
     """One AdamW update in place, operation for operation torch.optim.AdamW's single-tensor path.
 
-    master, grad, exp_avg, exp_avg_sq: same shape, float32. ``step`` counts from 1 (bias correction).
+    master, grad, exp_avg, exp_avg_sq: same shape, float32. ``step`` counts from 1 (bias correction). On the GPU
+    one kernel (``unison.train.triton_adamw``) with ``kernel``; PyTorch's operations otherwise.
     """
+    if kernel and master.is_cuda and 0.5 < beta1 < 1.0 and _kernels().covered(master, grad, exp_avg, exp_avg_sq):
+        _kernels().adamw_step(master, grad, exp_avg, exp_avg_sq, grad_scale=grad_scale, decay=1.0 - lr * weight_decay,
+                              beta1=beta1, beta2=beta2, step_size=lr / (1.0 - beta1**step),
+                              bc2_sqrt=math.sqrt(1.0 - beta2**step), eps=eps)
+        return
+    grad = grad.to(torch.float32)
+    if grad_scale != 1.0:
+        grad = grad * grad_scale
     master.mul_(1.0 - lr * weight_decay)
     exp_avg.lerp_(grad, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
@@ -36,14 +46,21 @@ def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     master.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
 
-def write_back(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+def write_back(param: torch.Tensor, master: torch.Tensor, kernel: bool = True) -> torch.Tensor:
     """Copy master (fp32) into param in its own dtype, in place.
 
     Returns a bool mask of param's shape, true exactly where the stored bits changed."""
+    if kernel and param.is_cuda and param.dtype == torch.bfloat16 and _kernels().covered(param, master):
+        return _kernels().write_back(param, master)
     new = master.to(param.dtype)
     mask = changed_bits(new, param)
     param.copy_(new)
     return mask
+
+
+def _kernels():
+    from . import triton_adamw  # Triton only where the kernels run
+    return triton_adamw
 
 
 def global_grad_norm(grads: list[torch.Tensor]) -> float:

@@ -11,6 +11,8 @@ transform included (Gemma2's softcap, Granite's logits_scaling, ...: ``unison.en
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 
 from unison.engine.attention import NO_MASK
@@ -22,32 +24,47 @@ from unison.vision.inputs import Segment, language_inputs
 
 
 def policy_logprobs(model: torch.nn.Module, row: PackedRow, temperature: float = 1.0, chunk_size: int = 1024,
-                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    with_entropy: bool = False, kernels: bool | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs of ``row.targets`` at the row's loss positions, in ``row.loss_mask`` order.
 
     ``model`` is a transformers causal LM built with ``attn_implementation="unison"``; ``row`` is on the
     model's device. Returns (logprobs: (M,) float32, differentiable w.r.t. the model's parameters;
     entropy: (M,) float32 of softmax(logits / temperature), detached, or None unless ``with_entropy``).
+    ``kernels`` (None: on the GPU) runs the forward's RMSNorm, RoPE, SwiGLU and the lm_head's reductions as
+    unison's fused Triton kernels (``training_kernels``); False, as transformers' modules and PyTorch's operations.
     """
+    if kernels is None:
+        kernels = next(model.parameters()).is_cuda
     head = lm_head_of(model)
     decoder = decoder_of(model)
     keep_samples_apart(model)  # the row's boundaries reach hybrid models' conv and recurrent layers too
     inputs = {"input_ids": row.input_ids, "position_ids": row.position_ids}
     if row.images:  # a vision-language model's images at their placeholders (unison.vision.inputs)
         inputs = image_inputs(model, decoder, row)
-    hidden = decoder(
-        **inputs,
-        attention_mask=NO_MASK,
-        cu_seq_lens_q=row.cu_seqlens,
-        cu_seq_lens_k=row.cu_seqlens,
-        max_length_q=row.max_seqlen,
-        max_length_k=row.max_seqlen,
-        use_cache=False,
-    ).last_hidden_state  # (1, T, H)
+    with training_kernels(model, kernels):
+        hidden = decoder(
+            **inputs,
+            attention_mask=NO_MASK,
+            cu_seq_lens_q=row.cu_seqlens,
+            cu_seq_lens_k=row.cu_seqlens,
+            max_length_q=row.max_seqlen,
+            max_length_k=row.max_seqlen,
+            use_cache=False,
+        ).last_hidden_state  # (1, T, H)
     positions = row.loss_mask.nonzero().squeeze(1)
     selected = hidden[0].index_select(0, positions)  # (M, H)
     targets = row.targets.index_select(0, positions)
-    return chunked_logprobs(selected, head.weight, targets, temperature, chunk_size, with_entropy, head.transform)
+    return chunked_logprobs(selected, head.weight, targets, temperature, chunk_size, with_entropy, head.transform,
+                            kernels)
+
+
+def training_kernels(model: torch.nn.Module, enabled: bool) -> AbstractContextManager:
+    """``unison.train.fused.fused_training(model)`` if ``enabled`` (Triton imported only then), else nothing."""
+    if not enabled:
+        return nullcontext(False)
+    from unison.train.fused import fused_training
+    return fused_training(model)
 
 
 def image_inputs(model: torch.nn.Module, decoder: torch.nn.Module, row: PackedRow) -> dict:
@@ -62,8 +79,12 @@ def image_inputs(model: torch.nn.Module, decoder: torch.nn.Module, row: PackedRo
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                      temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
-                     transform: HeadTransform = IDENTITY) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     transform: HeadTransform = IDENTITY, kernels: bool | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(transform(hidden @ weight.T) / temperature)[targets], ``chunk_size`` rows at a time.
+
+    ``kernels`` (None: on the GPU) runs each chunk's reductions and its backward as one pass each
+    (``unison.train.triton_logprobs``); False keeps PyTorch's operations.
 
     hidden: (M, H) in weight's dtype; weight: (V, H); targets: (M,) int64. Returns (logprobs: (M,)
     float32, entropy: (M,) float32 detached or None). Gradients flow to ``hidden`` and ``weight``; a
@@ -73,8 +94,11 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if kernels is None:
+        kernels = hidden.is_cuda
+    kernels = kernels and transform.softcap is None  # a softcap's chain rule stays PyTorch's
     logp, entropy = _ChunkedLogprobs.apply(hidden, weight, targets, 1.0 / temperature, chunk_size,
-                                           with_entropy, transform)
+                                           with_entropy, transform, kernels)
     return logp, (entropy if with_entropy else None)
 
 
@@ -86,7 +110,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_temp, chunk_size, with_entropy, transform):
+    def forward(ctx, hidden, weight, targets, inv_temp, chunk_size, with_entropy, transform, kernels):
         m = hidden.shape[0]
         logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logp)
@@ -94,6 +118,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for start in range(0, m, chunk_size):
             end = min(start + chunk_size, m)
             z = _scaled_logits(hidden[start:end], weight, inv_temp, transform)  # (c, V) float32
+            if kernels:
+                from unison.train import triton_logprobs
+                lse[start:end], logp[start:end], chunk_entropy = triton_logprobs.chunk_forward(
+                    z, targets[start:end], with_entropy)
+                if with_entropy:
+                    entropy[start:end] = chunk_entropy
+                continue
             chunk_lse = torch.logsumexp(z, dim=-1)
             lse[start:end] = chunk_lse
             logp[start:end] = z.gather(1, targets[start:end, None]).squeeze(1) - chunk_lse
@@ -101,7 +132,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 log_probs = z - chunk_lse[:, None]  # not lse - sum(p * z): that cancels at large logits
                 entropy[start:end] = -(log_probs.exp() * log_probs).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.inv_temp, ctx.chunk_size, ctx.transform = inv_temp, chunk_size, transform
+        ctx.inv_temp, ctx.chunk_size, ctx.transform, ctx.kernels = inv_temp, chunk_size, transform, kernels
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -110,7 +141,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_logp is None or not (need_h or need_w):
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         grad_h = torch.empty_like(hidden) if need_h else None
         # One fp32 accumulator across chunks: summing bf16 partial products would round each chunk.
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
@@ -121,14 +152,19 @@ class _ChunkedLogprobs(torch.autograd.Function):
             g = grad_logp[start:end].float()
             # d logp / d z = onehot(target) - softmax(z), z = transform(x) / T: the transform's chain rule, the 1/T
             # included, takes it back to the raw logits x = h @ W.T.
-            dz = torch.exp(z - lse[start:end, None]).mul_(-g[:, None])
-            dz.scatter_add_(1, targets[start:end, None], g[:, None])
-            dlogits = ctx.transform.backward_(dz, z, ctx.inv_temp).to(weight.dtype)  # (c, V)
+            if ctx.kernels:  # no softcap: the chain rule is the one factor scale / T
+                from unison.train import triton_logprobs
+                dlogits = triton_logprobs.chunk_backward(z, targets[start:end], lse[start:end], g.contiguous(),
+                                                         ctx.transform.scale * ctx.inv_temp, weight.dtype)
+            else:
+                dz = torch.exp(z - lse[start:end, None]).mul_(-g[:, None])
+                dz.scatter_add_(1, targets[start:end, None], g[:, None])
+                dlogits = ctx.transform.backward_(dz, z, ctx.inv_temp).to(weight.dtype)  # (c, V)
             if need_h:
                 grad_h[start:end] = dlogits @ weight
             if need_w:
                 grad_w += (dlogits.T @ h).float()
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None, None
 
 
 def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, inv_temp: float,

@@ -50,7 +50,8 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
                                           cfg.memory.activation_checkpointing, topology, reference=run.reference,
                                           num_iterations=cfg.step.num_iterations,
                                           max_completion_length=cfg.rollout.max_new_tokens,
-                                          scale_rewards=cfg.rollout.scale_rewards))
+                                          scale_rewards=cfg.rollout.scale_rewards,
+                                          kernels=None if cfg.step.fused_kernels else False))
         except torch.OutOfMemoryError as e:
             raise explain_oom(e, run.plan, f"step {step}") from e
         engine.weights_updated(optimizer.step_count)

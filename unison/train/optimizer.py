@@ -180,11 +180,8 @@ class MasterAdamW:
         cfg, step = self.cfg, self.step_count
 
         def update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor):
-            grad = grad.to(torch.float32)
-            if grad_scale != 1.0:
-                grad = grad * grad_scale
             adamw_step(master, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
-                       eps=cfg.eps, weight_decay=cfg.weight_decay)
+                       eps=cfg.eps, weight_decay=cfg.weight_decay, grad_scale=grad_scale)
         return update
 
     def zero_grad(self) -> None:

@@ -15,7 +15,7 @@ from ..dist.topology import Topology
 from ..lora import dropout_active
 from ..rollout.advantage import batch_scaled
 from ..rollout.sample import Sample
-from .logprobs import policy_logprobs
+from .logprobs import policy_logprobs, training_kernels
 from .loss import LossConfig, MetricAccumulator, grpo_loss, loss_divisor
 from .optimizer import MasterAdamW
 from .packing import pack_samples
@@ -26,7 +26,7 @@ def train_step(model: torch.nn.Module, optimizer: MasterAdamW, samples: list[Sam
                temperature: float, max_tokens_per_row: int, pad_id: int, logprob_chunk: int,
                activation_checkpointing: bool = False, topology: Topology | None = None, *,
                reference: ReferenceModel | None = None, num_iterations: int = 1, max_completion_length: int = 0,
-               scale_rewards: str = "group") -> dict[str, float]:
+               scale_rewards: str = "group", kernels: bool | None = None) -> dict[str, float]:
     """Forward and backward over every packed row (one micro-batch each), then one optimizer step; all of it
     ``num_iterations`` times over the same samples.
 
@@ -41,13 +41,17 @@ def train_step(model: torch.nn.Module, optimizer: MasterAdamW, samples: list[Sam
     trainer's logprobs of the first one (before any update), the engine correction then fixed (``grpo_loss``).
     ``reference`` gives the KL term's logprobs (``loss_cfg.beta`` > 0), computed once. ``scale_rewards='batch'``
     divides the samples' (group-centred) advantages by the std of every replica's rewards first.
-    ``max_completion_length`` is dr_grpo's constant (``rollout.max_new_tokens``).
+    ``max_completion_length`` is dr_grpo's constant (``rollout.max_new_tokens``). ``kernels``: the trainer's fused
+    Triton kernels (``policy_logprobs``; None: on the GPU), in for the backward too (an activation-checkpointed
+    layer's recomputed forward must save what its first forward saved).
     """
     if num_iterations < 1:
         raise ValueError(f"num_iterations must be >= 1, got {num_iterations}")
     if loss_cfg.beta > 0 and reference is None:
         raise ValueError(f"loss.beta={loss_cfg.beta} needs a reference model (unison.train.reference)")
     device = next(model.parameters()).device
+    if kernels is None:
+        kernels = device.type == "cuda"
     dp_group = topology.dp.group if topology is not None and topology.dp is not None else None
     replicas = topology.dp.world if dp_group is not None else 1
     step_sum = (lambda x: global_sum(x, dp_group, device)) if dp_group is not None else float
@@ -67,11 +71,11 @@ def train_step(model: torch.nn.Module, optimizer: MasterAdamW, samples: list[Sam
     for iteration in range(num_iterations):
         # Under tensor parallelism: the local shards with explicit collectives (unison.dist.tensor_parallel).
         with checkpointed_layers(model, activation_checkpointing), local_forward(model, topology)(train=True), \
-                dropout_active(model):
+                dropout_active(model), training_kernels(model, kernels):
             for i, row in enumerate(rows):
                 row = row.to(device)
                 logprobs, entropy = policy_logprobs(model, row, temperature=temperature or 1.0,
-                                                    chunk_size=logprob_chunk, with_entropy=True)
+                                                    chunk_size=logprob_chunk, with_entropy=True, kernels=kernels)
                 mask = row.loss_mask
                 seq_lens = [trained[j].num_loss_tokens for j in row.sample_index]
                 divisor = loss_divisor(loss_cfg.type, seq_lens, num_loss_tokens, num_sequences, local_tokens,

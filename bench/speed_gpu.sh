@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 23 on the GPU machine (carry .whl: transformers 5.24; ../shared/tools/gpu-wheels.sh):
+#   bash bench/speed_gpu.sh profile   # engine_profile (0.6B at 256 and 64) and train_profile (0.6B, 1.7B)
+#   bash bench/speed_gpu.sh engine    # bench/engine.py: 0.6B at 256 and 64 (unison alone)
+#   bash bench/speed_gpu.sh tests     # the GPU tests of the engine's and the trainer's kernels
+# Results under $OUT/speed/<TAG> (TAG defaults to "run").
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=$PWD:/tmp/site
+out=${OUT:-/tmp/out}/speed/${TAG:-run}; mkdir -p "$out"
+quiet() { grep -v "^\[transformers\|Loading weights\|Writing" | tail -"${1:-40}"; }
+for mode in "${@:-profile}"; do
+  case "$mode" in
+    profile)  # PROFILE: which of engine / train (default both)
+      (cd bench
+       if [[ "${PROFILE:-engine train}" == *engine* ]]; then
+         for c in 256 64; do
+           python3 engine_profile.py --shape qwen3-0.6b --concurrency $c --json "$out/engine_profile_0.6b_$c.json" \
+             2>&1 | quiet 50
+         done
+       fi
+       if [[ "${PROFILE:-engine train}" == *train* ]]; then
+         python3 train_profile.py --shape qwen3-0.6b --rows 8192 16384 --json "$out/train_profile_0.6b.json" 2>&1 | quiet 30
+         python3 train_profile.py --shape qwen3-1.7b --rows 8192 16384 --json "$out/train_profile_1.7b.json" 2>&1 | quiet 4
+       fi) ;;
+    engine)
+      (cd bench
+       python3 engine.py --device cuda --shape qwen3-0.6b --concurrency 256 --prompt 128 --new 256 \
+         --json "$out/engine_0.6b_256.json" 2>&1 | quiet 6
+       python3 engine.py --device cuda --shape qwen3-0.6b --concurrency 64 --prompt 128 --new 256 \
+         --json "$out/engine_0.6b_64.json" 2>&1 | quiet 6) ;;
+    tests)
+      timeout "${LIMIT:-300}" python3 -m pytest -q -x -s -p no:cacheprovider ${TESTS:-tests/test_fused_train_gpu.py \
+        tests/test_triton_gpu.py tests/test_engine_gpu.py} 2>&1 | quiet 40 ;;
+  esac
+done

@@ -1,0 +1,217 @@
+"""The trainer's fused kernels (unison.train.fused, unison.train.triton_logprobs) in Triton's interpreter: each
+against the PyTorch function it replaces, forward and backward, then whole models and a train_step with and
+without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_llama, tiny_qwen3
+from test_logprobs import packed_row
+from transformers.models.qwen3 import modeling_qwen3
+
+from unison.engine.lm_head import HeadTransform
+from unison.train.logprobs import chunked_logprobs, full_logprobs_reference, policy_logprobs
+
+pytest.importorskip("triton")
+
+from unison.train import fused, triton_logprobs  # noqa: E402
+
+
+def _grads(fn, *inputs, upstream):
+    inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = fn(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    sum((o * u).sum() for o, u in zip(outs, upstream, strict=True)).backward()
+    return [o.detach() for o in outs], [t.grad for t in inputs]
+
+
+@pytest.mark.parametrize("shape", [(37, 64), (1, 5, 3, 32)], ids=["hidden", "heads"])
+def test_rms_norm_forward_and_backward_equal_transformers(shape):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g) * 3
+    norm = modeling_qwen3.Qwen3RMSNorm(shape[-1], eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1], generator=g))
+    upstream = [torch.randn(*shape, generator=g)]
+
+    def reference(x, w):
+        return torch.func.functional_call(norm, {"weight": w}, (x,))
+
+    (ref,), ref_grads = _grads(reference, x, norm.weight, upstream=upstream)
+    (out,), grads = _grads(lambda x, w: fused.rms_norm(x, w, 1e-6), x, norm.weight, upstream=upstream)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grads[0], ref_grads[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[1], ref_grads[1], rtol=1e-5, atol=1e-5)
+    assert ref_grads[1].abs().max() > 1  # the weight's gradient is summed over every row
+
+
+def test_rope_forward_and_backward_equal_transformers():
+    g = torch.Generator().manual_seed(1)
+    bsz, heads, kv_heads, tokens, dim = 1, 4, 2, 9, 16
+    # The trainer's layout: (B, T, H, D) projections viewed as (B, H, T, D).
+    q = torch.randn(bsz, tokens, heads, dim, generator=g).transpose(1, 2)
+    k = torch.randn(bsz, tokens, kv_heads, dim, generator=g).transpose(1, 2)
+    freqs = torch.randn(bsz, tokens, dim // 2, generator=g)
+    cos, sin = torch.cat([freqs.cos()] * 2, -1), torch.cat([freqs.sin()] * 2, -1)
+    upstream = [torch.randn(q.shape, generator=g), torch.randn(k.shape, generator=g)]
+    ref, ref_grads = _grads(lambda q, k: modeling_qwen3.apply_rotary_pos_emb(q, k, cos, sin), q, k,
+                            upstream=upstream)
+    out, grads = _grads(lambda q, k: fused.rope(q, k, cos, sin), q, k, upstream=upstream)
+    for a, b in zip(out + grads, ref + ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_silu_mul_forward_and_backward_equal_pytorch():
+    g = torch.Generator().manual_seed(2)
+    gate, up = torch.randn(3, 700, generator=g) * 4, torch.randn(3, 700, generator=g)  # not a multiple of a block
+    upstream = [torch.randn(3, 700, generator=g)]
+    ref, ref_grads = _grads(lambda a, b: torch.nn.functional.silu(a) * b, gate, up, upstream=upstream)
+    out, grads = _grads(fused.silu_mul, gate, up, upstream=upstream)
+    for a, b in zip(out + grads, ref + ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="silu_mul"):
+        fused.silu_mul(gate, up[:, :5])
+
+
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_logprob_chunk_kernels_equal_pytorch(with_entropy):
+    g = torch.Generator().manual_seed(3)
+    rows, vocab = 6, 300  # three blocks of 128, the last one partial
+    z = torch.randn(rows, vocab, generator=g) * 8
+    z[0, :] = 40.0 + torch.randn(vocab, generator=g) * 1e-3  # large, nearly equal logits: nothing may cancel
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    lse, logp, entropy = triton_logprobs.chunk_forward(z, targets, with_entropy, block=128)
+    ref_lse = torch.logsumexp(z, -1)
+    log_probs = z - ref_lse[:, None]
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logp, log_probs.gather(1, targets[:, None]).squeeze(1), rtol=0, atol=1e-5)
+    if with_entropy:
+        torch.testing.assert_close(entropy, -(log_probs.exp() * log_probs).sum(-1), rtol=0, atol=1e-5)
+        assert abs(entropy[0] - torch.log(torch.tensor(vocab, dtype=torch.float32))) < 1e-3  # ~uniform row
+    else:
+        assert entropy is None
+    grad = torch.randn(rows, generator=g)
+    dx = triton_logprobs.chunk_backward(z, targets, lse, grad, 0.5, torch.float32, block=128)
+    expected = (torch.nn.functional.one_hot(targets, vocab) - log_probs.exp()) * grad[:, None] * 0.5
+    torch.testing.assert_close(dx, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("transform", [HeadTransform(), HeadTransform(scale=0.25), HeadTransform(softcap=3.0)],
+                         ids=["plain", "scale", "softcap"])
+def test_chunked_logprobs_with_kernels_equal_reference(transform):
+    torch.manual_seed(4)
+    hidden = torch.randn(21, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (21,))
+    upstream = torch.randn(21)
+    logp, entropy = chunked_logprobs(hidden, weight, targets, 0.7, 8, with_entropy=True, transform=transform,
+                                     kernels=True)
+    (logp * upstream).sum().backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    ref_logp, ref_entropy = full_logprobs_reference(hidden, weight, targets, 0.7, transform)
+    (ref_logp * upstream).sum().backward()
+    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(grads[0], hidden.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[1], weight.grad, rtol=1e-5, atol=1e-5)
+
+
+def _logprobs_and_grads(model, row, kernels):
+    model.zero_grad(set_to_none=True)
+    logp, entropy = policy_logprobs(model, row, temperature=0.7, chunk_size=6, with_entropy=True, kernels=kernels)
+    (logp * torch.linspace(-1.0, 1.0, logp.shape[0])).sum().backward()
+    return logp.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
+def test_packed_forward_with_kernels_equals_transformers_modules(build):
+    model = build(vocab=128)
+    row = packed_row(model.config.vocab_size)
+    logp, entropy, grads = _logprobs_and_grads(model, row, kernels=False)
+    norms_before = {id(m): m.forward for m in model.modules()}
+    fused_logp, fused_entropy, fused_grads = _logprobs_and_grads(model, row, kernels=True)
+    torch.testing.assert_close(fused_logp, logp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(fused_entropy, entropy, rtol=0, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+    assert {id(m): m.forward for m in model.modules()} == norms_before  # every module is itself again
+    assert not hasattr(model, fused._ACTIVE)
+
+
+def test_fused_training_switches_the_known_modules_and_nests():
+    model = tiny_qwen3()
+    layer = model.model.layers[0]
+    original_rope = modeling_qwen3.apply_rotary_pos_emb
+    with fused.fused_training(model):
+        assert "forward" in layer.mlp.__dict__ and "forward" in layer.self_attn.q_norm.__dict__
+        assert modeling_qwen3.apply_rotary_pos_emb is not original_rope
+        patched = layer.mlp.forward
+        with fused.fused_training(model):  # nested: nothing switched again, nothing restored early
+            assert layer.mlp.forward is patched
+        assert layer.mlp.forward is patched
+    assert "forward" not in layer.mlp.__dict__ and "forward" not in layer.self_attn.q_norm.__dict__
+    assert modeling_qwen3.apply_rotary_pos_emb is original_rope
+    assert len(fused.fused_mlps(model)) == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_train_step_with_kernels_equals_without(checkpointing):
+    """One train_step with the kernels (across activation checkpointing's recompute too) reaches the optimizer with
+    the gradients and the loss the step without them has."""
+    from test_losses import _samples
+
+    from unison.train.loss import LossConfig
+    from unison.train.optimizer import MasterAdamW, OptimConfig
+    from unison.train.step import train_step
+
+    runs = []
+    for kernels in (False, True):
+        model = tiny_qwen3()
+        opt = MasterAdamW(model.named_parameters(), OptimConfig(lr=1e-2), total_steps=10)
+        grads, real_step = {}, opt.step
+
+        def step(model=model, grads=grads, real_step=real_step):
+            grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
+            return real_step()
+
+        opt.step = step
+        metrics = train_step(model, opt, _samples(), LossConfig(), 1.0, 64, 0, 4,
+                             activation_checkpointing=checkpointing, kernels=kernels)
+        runs.append((metrics, grads))
+    (plain, plain_grads), (fused_metrics, fused_grads) = runs
+    assert fused_metrics["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=1e-6)
+    assert plain_grads.keys() == fused_grads.keys() and len(plain_grads) > 0
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+        assert grad.abs().max() > 0, name
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_adamw_kernel_equals_pytorch(grad_dtype):
+    """Three steps of the one-kernel AdamW and write-back against ``adamw_step`` / ``write_back``'s PyTorch
+    operations: fp32 state within a rounding step, bf16 parameters and their changed masks bit for bit."""
+    from unison.train import triton_adamw
+    from unison.train.adamw import adamw_step, write_back
+
+    g = torch.Generator().manual_seed(5)
+    n = 5000  # three blocks, the last one partial
+    master = torch.randn(n, generator=g)
+    master[:2] = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8])  # two ties: to even, down and up
+    states = [[master.clone(), torch.zeros(n), torch.zeros(n)] for _ in range(2)]
+    params = [master.bfloat16() for _ in range(2)]
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    for step in range(1, 4):
+        grad = (torch.randn(n, generator=g) * 10 ** -step).to(grad_dtype)
+        adamw_step(*states[0][:1], grad, *states[0][1:], step=step, grad_scale=0.5, kernel=False, **hp)
+        triton_adamw.adamw_step(states[1][0], grad, states[1][1], states[1][2], grad_scale=0.5,
+                                decay=1.0 - hp["lr"] * hp["weight_decay"], beta1=hp["beta1"], beta2=hp["beta2"],
+                                step_size=hp["lr"] / (1.0 - hp["beta1"] ** step),
+                                bc2_sqrt=(1.0 - hp["beta2"] ** step) ** 0.5, eps=hp["eps"])
+        for ours, theirs in zip(states[1], states[0], strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=2e-7, atol=1e-9)
+        states[1][0].copy_(states[0][0])  # the same master into both write-backs
+        changed = [write_back(params[0], states[0][0], kernel=False), triton_adamw.write_back(params[1], states[1][0])]
+        assert torch.equal(params[1].view(torch.int16), params[0].view(torch.int16))
+        assert torch.equal(changed[1], changed[0]) and 0 < int(changed[0].sum()) < n

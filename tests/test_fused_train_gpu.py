@@ -1,0 +1,141 @@
+"""The trainer's fused kernels on the GPU, in bf16: each at the bf16 floor of the PyTorch function it replaces (no
+further from an fp64 computation than PyTorch's bf16 is), and a bf16 model's packed logprobs and gradients as
+close to its fp32 ones with the kernels as without."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import tiny_qwen3
+from test_logprobs import packed_row
+from transformers.models.qwen3 import modeling_qwen3
+
+from unison.train.logprobs import chunked_logprobs, policy_logprobs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+from unison.train import fused  # noqa: E402
+
+
+def _run(fn, inputs, upstream):
+    inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = fn(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    sum((o.double() * u).sum() for o, u in zip(outs, upstream, strict=True)).backward()
+    return [o.detach().double() for o in outs] + [t.grad.double() for t in inputs]
+
+
+def _floor(fused_fn, torch_fn, inputs, upstream):
+    """Mean |error| from an fp64 run of ``torch_fn``: (the kernels', PyTorch's bf16), one per output and gradient."""
+    exact = _run(torch_fn, [t.double() for t in inputs], upstream)
+    ours = _run(fused_fn, inputs, upstream)
+    theirs = _run(torch_fn, inputs, upstream)
+    return [((a - e).abs().mean().item(), (b - e).abs().mean().item()) for a, b, e in zip(ours, theirs, exact,
+                                                                                              strict=True)]
+
+
+def _assert_at_floor(gaps, slack=1.1):
+    for i, (ours, theirs) in enumerate(gaps):
+        print(f"output/grad {i}: kernels {ours:.3e}  pytorch bf16 {theirs:.3e}")
+        assert ours <= theirs * slack + 1e-6, (i, ours, theirs)
+
+
+def test_rms_norm_bf16_at_the_floor():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(8192, 1024, device="cuda", generator=g).bfloat16() * 3
+    w = (1 + 0.1 * torch.randn(1024, device="cuda", generator=g)).bfloat16()
+    upstream = [torch.randn(8192, 1024, device="cuda", generator=g, dtype=torch.float64)]
+    norm = modeling_qwen3.Qwen3RMSNorm(1024).cuda()
+
+    def reference(x, w):
+        return torch.func.functional_call(norm, {"weight": w}, (x,))
+
+    _assert_at_floor(_floor(lambda x, w: fused.rms_norm(x, w, 1e-6), reference, [x, w], upstream))
+
+
+def test_rope_and_silu_mul_bf16_at_the_floor():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(1, 4096, 16, 128, device="cuda", generator=g).bfloat16().transpose(1, 2)
+    k = torch.randn(1, 4096, 8, 128, device="cuda", generator=g).bfloat16().transpose(1, 2)
+    freqs = torch.rand(1, 4096, 64, device="cuda", generator=g) * 100
+    cos, sin = (torch.cat([f] * 2, -1).bfloat16() for f in (freqs.cos(), freqs.sin()))
+    upstream = [torch.randn(q.shape, device="cuda", generator=g, dtype=torch.float64),
+                torch.randn(k.shape, device="cuda", generator=g, dtype=torch.float64)]
+    _assert_at_floor(_floor(lambda q, k: fused.rope(q, k, cos, sin),
+                            lambda q, k: modeling_qwen3.apply_rotary_pos_emb(q, k, cos.to(q.dtype), sin.to(q.dtype)),
+                            [q, k], upstream))
+    gate = torch.randn(8192, 3072, device="cuda", generator=g).bfloat16() * 3
+    up = torch.randn(8192, 3072, device="cuda", generator=g).bfloat16()
+    upstream = [torch.randn(8192, 3072, device="cuda", generator=g, dtype=torch.float64)]
+    _assert_at_floor(_floor(fused.silu_mul, lambda a, b: torch.nn.functional.silu(a) * b, [gate, up], upstream))
+    assert torch.equal(fused.silu_mul(gate, up), torch.nn.functional.silu(gate) * up)  # transformers' rounding
+
+
+def test_logprob_kernels_equal_pytorch_on_the_gpu():
+    torch.manual_seed(2)
+    hidden = torch.randn(3000, 1024, device="cuda").bfloat16().requires_grad_(True)
+    weight = (torch.randn(151936, 1024, device="cuda") * 0.05).bfloat16().requires_grad_(True)
+    targets = torch.randint(0, 151936, (3000,), device="cuda")
+    upstream = torch.randn(3000, device="cuda")
+    results = []
+    for kernels in (False, True):
+        logp, entropy = chunked_logprobs(hidden, weight, targets, 0.9, 1024, with_entropy=True, kernels=kernels)
+        (logp * upstream).sum().backward()
+        results.append((logp.detach(), entropy, hidden.grad.float(), weight.grad.float()))
+        hidden.grad = weight.grad = None
+    (logp, entropy, gh, gw), (klogp, kentropy, kgh, kgw) = results
+    torch.testing.assert_close(klogp, logp, rtol=0, atol=2e-5)
+    torch.testing.assert_close(kentropy, entropy, rtol=0, atol=2e-5)
+    for ours, theirs in ((kgh, gh), (kgw, gw)):  # bf16 gradients: a rounding step apart here and there
+        assert (ours - theirs).norm() <= 1e-3 * theirs.norm()
+
+
+def test_bf16_model_with_kernels_at_the_floor():
+    """A bf16 Qwen3 (q_norm/k_norm, GQA) packed forward and backward, with and without the kernels, against the
+    same weights in fp32: the kernels' logprobs and gradients are no further from fp32 than transformers' are."""
+    ref = tiny_qwen3(vocab=2048).cuda()
+    model = copy.deepcopy(ref).bfloat16()
+    row = packed_row(2048).to("cuda")
+
+    def run(m, kernels):
+        m.zero_grad(set_to_none=True)
+        logp, _ = policy_logprobs(m, row, temperature=1.0, chunk_size=16, kernels=kernels)
+        (logp * torch.linspace(-1, 1, logp.shape[0], device="cuda")).sum().backward()
+        return logp.detach().double(), {n: p.grad.double() for n, p in m.named_parameters()}
+
+    exact, exact_grads = run(ref, False)
+    for name, (logp, grads) in {"kernels": run(model, True), "transformers": run(model, False)}.items():
+        gap = (logp - exact).abs().mean().item()
+        grad_gap = sum((grads[n] - g).norm().item() / g.norm().item() for n, g in exact_grads.items())
+        print(f"{name}: logprob gap {gap:.3e}, relative grad gap (summed) {grad_gap:.3e}")
+        if name == "kernels":
+            ours = (gap, grad_gap)
+        else:
+            assert ours[0] <= gap * 1.25 + 1e-4 and ours[1] <= grad_gap * 1.25, (ours, gap, grad_gap)
+
+
+def test_adamw_kernels_equal_pytorch_on_the_gpu():
+    from unison.train.adamw import adamw_step, write_back
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n = 10_000_019
+    master = torch.randn(n, device="cuda", generator=g)
+    runs = []
+    for kernel in (False, True):
+        state = [master.clone(), torch.zeros_like(master), torch.zeros_like(master)]
+        param = master.bfloat16()
+        for step in range(1, 4):
+            grad = torch.randn(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(step)).bfloat16()
+            adamw_step(state[0], grad, state[1], state[2], step=step, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8,
+                       weight_decay=0.1, grad_scale=0.7, kernel=kernel)
+            changed = write_back(param, state[0], kernel=kernel)
+        runs.append((state, param, changed))
+    (state, param, changed), (kstate, kparam, kchanged) = runs
+    for ours, theirs in zip(kstate, state, strict=True):  # torch's own kernels contract multiply-adds: an ulp or two
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    print(f"adamw: masters bitwise equal {(kstate[0] == state[0]).float().mean():.6f}")
+    mismatch = (kparam.view(torch.int16) != param.view(torch.int16)).float().mean().item()
+    assert mismatch < 1e-5  # only where the fp32 masters straddle a bf16 rounding boundary
+    assert (kchanged != changed).float().mean().item() < 1e-5

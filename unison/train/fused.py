@@ -1,0 +1,217 @@
+"""The training forward's RMSNorm, RoPE and SwiGLU as single Triton kernels, forward and backward.
+
+transformers computes each of them as a chain of small elementwise operations, and autograd runs another chain
+for each backward: on the H200 the packed training step of the Qwen3-0.6B shape spent more of its GPU time in
+those (multiplications, dtype casts, sums: bench/results/h200/speed) than in its matmuls. ``fused_training(model)``
+switches, for the ``with`` block, the modules the engine's decode graphs already fuse (``unison.engine.fused_norm``,
+``unison.engine.fused_rope``) and the SwiGLU MLPs of the same families to differentiable kernels that compute the
+same function in the same precision as transformers' modules (fp32 statistics, each rounding where transformers
+rounds), so the trainer's logprobs stay the engine's. The backward kernels compute in fp32 and round once.
+
+The block must span the backward too when activation checkpointing is on: the recomputed forward then runs the
+same kernels. Blocks nest (an inner one changes nothing). ``unison.train.logprobs.training_kernels`` enters it on
+the GPU (the CPU tests run the kernels in Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from contextlib import ExitStack, contextmanager
+
+import torch
+import triton
+import triton.language as tl
+
+from ..engine import fused_norm, fused_rope
+
+MLP_CLASSES = {"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"}
+_MLP_SOURCE = "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"  # checked at switch time
+_ACTIVE = "_unison_fused_training"
+
+
+# Row and element counts change with every packed row: Triton would compile a variant for each divisibility of them.
+@triton.jit(do_not_specialize=["n_rows", "rows_per_program"])
+def _rms_norm_backward_kernel(DY, X, W, DX, DW, n_rows, rows_per_program, stride_dy, stride_x, stride_dx, eps,
+                              N: tl.constexpr, BLOCK: tl.constexpr, WEIGHT_GRAD: tl.constexpr):
+    """Rows [pid * rows_per_program, ...): dx of y = w * (x * r).to(dtype), r = rsqrt(mean(x^2) + eps), and this
+    program's partial sum of dw over its rows into DW[pid]."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(rows_per_program):
+        row = (pid * rows_per_program + i).to(tl.int64)
+        if row < n_rows:
+            x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            r = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+            if WEIGHT_GRAD:  # the forward multiplied w by the normalised value rounded to x's dtype
+                dw += dy * (x * r).to(X.dtype.element_ty).to(tl.float32)
+            dn = dy * w
+            dx = r * dn - x * (r * r * r) * (tl.sum(dn * x, 0) / N)
+            tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+    if WEIGHT_GRAD:
+        tl.store(DW + pid * N + cols, dw, mask=mask)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return fused_norm.rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        n = x.shape[-1]
+        rows, grads = x.reshape(-1, n).contiguous(), dy.reshape(-1, n).contiguous()
+        dx = torch.empty_like(rows)
+        programs = max(1, min(rows.shape[0], 8 * _multiprocessors(x.device)))
+        per_program = -(-rows.shape[0] // programs)
+        programs = -(-rows.shape[0] // per_program)
+        weight_grad = ctx.needs_input_grad[1]
+        dw = torch.empty(programs if weight_grad else 1, n, dtype=torch.float32, device=x.device)
+        block = triton.next_power_of_2(n)
+        _rms_norm_backward_kernel[(programs,)](grads, rows, weight, dx, dw, rows.shape[0], per_program,
+                                               grads.stride(0), rows.stride(0), dx.stride(0), ctx.eps, N=n,
+                                               BLOCK=block, WEIGHT_GRAD=weight_grad,
+                                               num_warps=1 if block <= 256 else 4 if block <= 2048 else 8)
+        return dx.view(x.shape), (dw.sum(0).to(weight.dtype) if weight_grad else None), None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``fused_norm.rms_norm``, differentiable w.r.t. x and weight."""
+    return _RMSNorm.apply(x, weight, eps)
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        ctx.q_shape, ctx.k_shape = q.shape, k.shape
+        return fused_rope.rope(q, k, cos, sin)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin = ctx.saved_tensors
+        q_shape, k_shape = ctx.q_shape, ctx.k_shape
+        dq = _last_dim_contiguous(dq) if dq is not None else cos.new_zeros(q_shape)
+        dk = _last_dim_contiguous(dk) if dk is not None else cos.new_zeros(k_shape)
+        dq, dk = fused_rope.rope(dq, dk, cos, sin, backward=True)
+        return dq, dk, None, None
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_rope.rope``, differentiable w.r.t. q and k (the rotary tables are buffers, never trained)."""
+    if cos.requires_grad or sin.requires_grad:
+        raise ValueError("fused RoPE: the cos/sin tables require grad; unison's kernel does not differentiate them")
+    return _Rope.apply(q, k, cos, sin)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _silu_mul_kernel(G, U, Y, DY, DG, DU, n, BLOCK: tl.constexpr, BACKWARD: tl.constexpr):
+    """Forward: y = silu(g).to(dtype) * u, rounded as transformers' two operations round. Backward: du and dg."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=mask, other=0.0)
+    sig = tl.sigmoid(g)
+    a = (g * sig).to(U.dtype.element_ty).to(tl.float32)
+    if BACKWARD:
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DU + offs, (dy * a).to(DU.dtype.element_ty), mask=mask)
+        da = (dy * u.to(tl.float32)).to(U.dtype.element_ty).to(tl.float32)
+        tl.store(DG + offs, (da * sig * (1.0 + g * (1.0 - sig))).to(DG.dtype.element_ty), mask=mask)
+    else:
+        tl.store(Y + offs, (a * u.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
+
+
+_ELEMENTWISE_BLOCK = 1024
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        gate, up = gate.contiguous(), up.contiguous()
+        ctx.save_for_backward(gate, up)
+        out = torch.empty_like(gate)
+        grid = (triton.cdiv(gate.numel(), _ELEMENTWISE_BLOCK),)
+        _silu_mul_kernel[grid](gate, up, out, out, out, out, gate.numel(), BLOCK=_ELEMENTWISE_BLOCK,
+                               BACKWARD=False, num_warps=4)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        dy = dy.contiguous()
+        dg, du = torch.empty_like(gate), torch.empty_like(up)
+        grid = (triton.cdiv(gate.numel(), _ELEMENTWISE_BLOCK),)
+        _silu_mul_kernel[grid](gate, up, dy, dy, dg, du, gate.numel(), BLOCK=_ELEMENTWISE_BLOCK, BACKWARD=True,
+                               num_warps=4)
+        return dg, du
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, as transformers' SwiGLU MLPs compute it; differentiable. gate, up: the same shape and dtype."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"silu_mul: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype}")
+    return _SiluMul.apply(gate, up)
+
+
+def fused_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The SwiGLU MLPs of known classes in ``model`` whose forward is transformers' (checked from its source) and
+    whose activation is SiLU."""
+    return [m for m in model.modules()
+            if type(m).__name__ in MLP_CLASSES and type(getattr(m, "act_fn", None)).__name__ in ("SiLU",
+                                                                                                "SiLUActivation")
+            and _MLP_SOURCE in inspect.getsource(type(m).forward)]
+
+
+@contextmanager
+def fused_training(model: torch.nn.Module):
+    """Within the block, ``model``'s known RMSNorms, RoPE and SwiGLU MLPs run as the differentiable kernels above.
+    Yields True."""
+    if getattr(model, _ACTIVE, False):
+        yield True
+        return
+    mlps = fused_mlps(model)
+    with ExitStack() as stack:
+        stack.enter_context(fused_norm.fused_norms(model, norm=rms_norm))
+        stack.enter_context(fused_rope.fused_rope(model, apply=rope))
+        for mlp in mlps:
+            own = mlp.__dict__.get("forward")
+            mlp.forward = _mlp_forward(mlp)
+            stack.callback(_restore, mlp, own)
+        setattr(model, _ACTIVE, True)
+        stack.callback(delattr, model, _ACTIVE)
+        yield True
+
+
+def _mlp_forward(mlp: torch.nn.Module):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+    return forward
+
+
+def _restore(module: torch.nn.Module, own) -> None:
+    if own is None:
+        del module.forward
+    else:
+        module.forward = own
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _multiprocessors(device: torch.device) -> int:
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 2
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
