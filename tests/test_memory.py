@@ -8,7 +8,15 @@ from conftest import max_logprob_diff, random_prompts, tiny_llama
 from test_optimizer import make_params, set_grads
 
 from unison.engine import Engine, EngineConfig, SamplingParams
-from unison.train.memory import MemoryPlan, auto_row_tokens, explain_oom, kv_blocks_for, plan_memory
+from unison.train.memory import (
+    MemoryConfig,
+    MemoryPlan,
+    auto_row_tokens,
+    choose_lending,
+    explain_oom,
+    kv_blocks_for,
+    plan_memory,
+)
 from unison.train.optimizer import MasterAdamW, OptimConfig, build_optimizer
 from unison.train.state_store import HostStore
 
@@ -143,3 +151,29 @@ def test_activation_checkpointing_recomputes_layers_and_keeps_dropout_off():
         assert len(calls) == (2 if enabled else 1)  # forward, then the recompute in backward
     assert not layer.training
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-6, atol=1e-8)
+
+
+def test_auto_lends_the_kv_pool_only_where_the_plan_needs_it():
+    """auto keeps the pool when keeping it fits with rows as long as lending's; always/never as set; the CPU never."""
+    def plans(kept_gib: float, kept_rows: int):
+        table = {True: (MemoryPlan([("KV pool", 10.0, "lent")], 100.0), 8192),
+                 False: (MemoryPlan([("KV pool", kept_gib, "")], 100.0), kept_rows)}
+        asked = []
+
+        def plan_for(lend: bool):
+            asked.append(lend)
+            return table[lend]
+        return plan_for, asked
+
+    plan_for, _ = plans(80.0, 8192)
+    assert choose_lending("auto", True, plan_for)[0] is False  # 80 GiB of 100 fits in 85%
+    plan_for, _ = plans(90.0, 8192)
+    assert choose_lending("auto", True, plan_for)[0] is True  # it does not
+    plan_for, _ = plans(50.0, 4096)
+    lend, plan, rows = choose_lending("auto", True, plan_for)
+    assert lend and rows == 8192  # keeping it would halve the rows
+    plan_for, asked = plans(50.0, 8192)
+    assert choose_lending("always", True, plan_for)[:1] == (True,) and asked == [True]
+    plan_for, asked = plans(50.0, 8192)
+    assert choose_lending("never", False, plan_for)[:1] == (False,) and asked == [False]
+    assert MemoryConfig(lend_kv="auto").lends(torch.device("cpu")) is False

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from test_tensor_parallel import PEERS, free_port, qwen3_dir, run_two_ranks  # noqa: F401  (the fixture)
 from transformers import AutoModelForCausalLM
@@ -43,10 +44,12 @@ def test_receiver_holds_the_sharded_trainers_weights(qwen3_dir, tmp_path):  # no
         assert not torch.equal(start[name], whole[name]), name
 
 
-def test_tensor_parallel_training_with_a_served_generator(qwen3_dir, tmp_path):  # noqa: F811
-    """`torchrun --nproc-per-node 2 -m unison train --dist.tp=2 --sync.mode=sparse`: rank 0 alone asks a `unison serve`
-    server (other weights at first) for the rollouts and both ranks train on them; the patches of the sharded
-    weights keep the server bit-identical to the trainer's final checkpoint."""
+@pytest.mark.parametrize("layout", ["tp", "dp"])
+def test_parallel_training_with_a_served_generator(qwen3_dir, tmp_path, layout):  # noqa: F811
+    """`torchrun --nproc-per-node 2 -m unison train --sync.mode=sparse` against a `unison serve` server (other weights
+    at first), with `--dist.tp=2` (rank 0 alone asks the server for the rollouts, both ranks train on them, the patches
+    are built from both ranks' shards) and as two data-parallel replicas (each asks for its own rollouts, the first
+    publishes): the patches keep the server bit-identical to the trainer's final checkpoint."""
     import threading
     from http.server import ThreadingHTTPServer
 
@@ -74,7 +77,8 @@ def test_tensor_parallel_training_with_a_served_generator(qwen3_dir, tmp_path): 
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-             os.path.join(PEERS, "train_peer.py"), qwen3_dir, str(out), "--dist.tp=2", "--max_steps=2",
+             os.path.join(PEERS, "train_peer.py"), qwen3_dir, str(out), *(["--dist.tp=2"] if layout == "tp" else []),
+             "--max_steps=2",
              "--sync.mode=sparse", "--sync.transport=fsspec", f"--sync.fsspec.url={directory}",
              f"--sync.servers=[http://127.0.0.1:{http.server_address[1]}]"],
             capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -87,6 +91,8 @@ def test_tensor_parallel_training_with_a_served_generator(qwen3_dir, tmp_path): 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     assert all(0 < r["sync/elements_frac"] <= 1 and r["reward/mean"] is not None for r in records)
+    # Every trained completion token was sampled by the server: both replicas' (their counts are summed) or rank 0's.
+    assert server.engine.stats()["tokens_generated"] >= sum(r["train/loss_tokens"] for r in records) > 0
     assert server.receiver.version == 2 and server.receiver.counts["rejected"] == 0
     trained = load_file(str(out / "checkpoint" / "model.safetensors"))
     served = dict(model.named_parameters())

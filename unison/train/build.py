@@ -36,7 +36,7 @@ from ..vision.prompt import ImagePrompter
 from .config import TrainConfig
 from .evaluate import Evaluator
 from .leak import check_packed_attention
-from .memory import MemoryPlan, auto_row_tokens, kv_blocks_for, plan_memory
+from .memory import MemoryPlan, auto_row_tokens, choose_lending, kv_blocks_for, plan_memory
 from .optimizer import MasterAdamW, build_optimizer
 from .reference import ReferenceModel, build_reference
 from .reporting import CompletionLog, RecordingScorer
@@ -75,9 +75,10 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
     refuse the run (the output folder, the resumed checkpoint, the model's attention) does so before the first
     rollout."""
     topology = init_topology(cfg.dist.tp, cfg.dist.timeout_s, model_device(cfg.model.device))
-    if topology.dp is not None and cfg.sync.mode != "colocated":
-        raise ValueError("data-parallel replicas run colocated for now (sync.mode=colocated); a tensor-parallel "
-                         "trainer (dist.tp alone) can generate on `unison serve` servers")
+    if topology.dp is not None and topology.tp is not None and cfg.sync.mode != "colocated":
+        raise ValueError("data-parallel replicas of a tensor-parallel trainer run colocated for now "
+                         "(sync.mode=colocated); replicas alone, or dist.tp alone, can generate on `unison serve` "
+                         "servers")
     check_run_dir(cfg, topology.is_main, topology.scaled_out)  # fails fast: before the model loads
     saved = load_resume_state(cfg, topology.rank, topology.world) if cfg.resume else None
     seed = cfg.seed + (topology.dp.rank if topology.dp is not None else 0)  # each replica rolls out its own prompts
@@ -107,11 +108,14 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
                                 initial=initial, adapter=cfg.model.lora.adapter)
     longest_prompt = _longest_prompt(cfg, tokenizer, task, images)  # sizes the KV pool and the packed rows
     engine, publisher = _engine(cfg, model, tokenizer, topology, seed, longest_prompt)
-    lend = publisher is None and cfg.memory.lends(engine.device)
-    merged = engine.lora_merged.nbytes if publisher is None and engine.lora_merged is not None else 0
-    states = engine.states.nbytes if publisher is None and engine.states is not None else 0
-    plan, row_tokens = _memory_plan(cfg, model, engine.pool.nbytes if publisher is None else 0, lend, longest_prompt,
-                                    merged, states)
+    colocated = cfg.sync.mode == "colocated"
+    merged = engine.lora_merged.nbytes if colocated and engine.lora_merged is not None else 0
+    states = engine.states.nbytes if colocated and engine.states is not None else 0
+    pool = engine.pool.nbytes if colocated else 0
+    lend, plan, row_tokens = choose_lending(
+        cfg.memory.lend_kv, colocated and cfg.memory.lends(engine.device),
+        lambda lent: _memory_plan(cfg, model, pool, lent, longest_prompt, merged, states))
+    _log_plan(cfg, plan, row_tokens, lend, longest_prompt)
     stop_ids = stop_token_ids(tokenizer, model)
     scorer = RewardScorer(task.reward_fns)
     scorer = BroadcastScorer(scorer, topology.tp) if topology.tp is not None else scorer
@@ -134,6 +138,8 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
     engine.weights_updated(optimizer.step_count)  # a resumed run samples with its checkpoint's version
     if publisher is not None:  # the servers get the resumed step's weights as that version: its next patch applies
         log.info("initial full sync to %s: %s", cfg.sync.servers, publisher.anchor(version=optimizer.step_count))
+    if topology.dp is not None and cfg.sync.mode != "colocated":
+        torch.distributed.barrier(group=topology.dp.group)  # no replica asks the servers before they hold the weights
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     writer = start_run(cfg) if topology.is_main else NullMetricsWriter()
     log.info("training %s on %s (%s, %s) for %d steps; %d prompts", cfg.model.name_or_path, task.name,
@@ -150,13 +156,17 @@ def _engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, topology: Topol
             ) -> tuple[Engine | RemoteEngine | BroadcastEngine, WeightPublisher | ShardedPublisher | None]:
     """The colocated engine on the trainer's own weights (its KV pool sized for the rollouts in flight unless the
     engine section sizes it), or clients of `unison serve` servers and the publisher that keeps their weights the
-    trainer's."""
+    trainer's. Data-parallel replicas each ask the servers for their own rollouts; the first alone publishes (every
+    replica holds the same weights after a step), and the next step's rollouts start after its patch is applied
+    (the metrics gathered at the end of each step wait for it). None for the publisher of the other replicas."""
     if cfg.sync.mode != "colocated":
         tp = topology.tp  # a tensor-parallel group: rank 0 talks to the servers, the patches come from every rank
         remote = RemoteEngine(cfg.sync.servers, cfg.sync.timeout_s, token=resolve_token(cfg.sync.token)) \
             if tp is None or tp.is_main else None
         if tp is not None:
             return BroadcastEngine(remote, tp), ShardedPublisher(cfg.sync, synced_params(model), tp)
+        if topology.dp is not None and not topology.dp.is_main:
+            return remote, None
         return remote, WeightPublisher(cfg.sync, synced_params(model))  # with LoRA: the adapters alone
     # The run's seed drives sampling too, unless the engine section sets its own.
     engine_cfg: EngineConfig = cfg.engine if cfg.engine.seed is not None else dataclasses.replace(cfg.engine, seed=seed)
@@ -180,14 +190,17 @@ def _memory_plan(cfg: TrainConfig, model: torch.nn.Module, kv_bytes: int, lend: 
                            lora_merged_bytes=lora_merged_bytes, state_pool_bytes=state_bytes)
 
     row_tokens = cfg.step.max_tokens_per_row or auto_row_tokens(plan_for, longest_sample)
-    plan = plan_for(row_tokens)
-    log.info("\n%s\npacked rows of %d tokens%s", plan.table(), row_tokens,
-             "" if cfg.step.max_tokens_per_row else " (step.max_tokens_per_row=0: chosen from the plan)")
-    if longest_sample > row_tokens:
+    return plan_for(row_tokens), row_tokens
+
+
+def _log_plan(cfg: TrainConfig, plan: MemoryPlan, row_tokens: int, lend: bool, longest_prompt: int) -> None:
+    log.info("\n%s\npacked rows of %d tokens%s; KV pool %s", plan.table(), row_tokens,
+             "" if cfg.step.max_tokens_per_row else " (step.max_tokens_per_row=0: chosen from the plan)",
+             "lent to each training step" if lend else "kept through the training step")
+    if longest_prompt + cfg.rollout.max_new_tokens > row_tokens:
         log.warning("step.max_tokens_per_row=%d is shorter than the longest sampled prompt (%d tokens) plus "
                     "rollout.max_new_tokens (%d): completions of long prompts are cut at the row length",
                     row_tokens, longest_prompt, cfg.rollout.max_new_tokens)
-    return plan, row_tokens
 
 
 def _longest_prompt(cfg: TrainConfig, tokenizer, task: Task, images: ImagePrompter | None = None) -> int:

@@ -104,7 +104,7 @@ def _finish(run: Run) -> None:
         replicated_agree(run.model, topology.tp)
     _save(run, os.path.join(cfg.output_dir, "checkpoint"), cfg.max_steps)
     if topology.scaled_out:
-        if run.publisher is None and run.engine.runner is not None:
+        if getattr(run.engine, "runner", None) is not None:
             run.engine.runner.reset()  # the decode graphs hold the communicators' kernels: freed before them
         dist.destroy_process_group()
         log.info("rank %d left the process group", topology.rank)

@@ -24,7 +24,10 @@ from ..vision.model import is_vision_model, vision_trains
 class MemoryConfig:
     lend_kv: Literal["auto", "always", "never"] = "auto"
     """Hand the engine's KV pool to the training step; in-flight rollouts recompute their KV afterwards. auto: on
-    a GPU only (on the CPU the pool is host memory, and recomputing costs more than it frees)."""
+    a GPU, where the step's memory plan needs it: unless keeping the pool fits the plan in 85% of the GPU with rows
+    as long as lending allows (lending costs every step a pool release, an allocator flush and recomputed in-flight
+    KV: 0.15 s of a 1.7B model's 4.1 s step on an H200, bench/results/h200/memory.json). Never on the CPU (the pool
+    is host memory, and recomputing costs more than it frees)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them."""
 
@@ -33,7 +36,24 @@ class MemoryConfig:
         check_literals(self, "memory.")
 
     def lends(self, device: torch.device) -> bool:
+        """Whether the step may borrow the pool (``choose_lending`` decides ``auto`` on a GPU from the plan)."""
         return self.lend_kv == "always" or (self.lend_kv == "auto" and device.type == "cuda")
+
+
+def choose_lending(lend_kv: str, may_lend: bool, plan_for: Callable[[bool], tuple[MemoryPlan, int]]
+                   ) -> tuple[bool, MemoryPlan, int]:
+    """(lend, plan, row tokens). ``plan_for(lend)`` gives the plan and the packed row length with and without
+    lending; ``may_lend``: ``MemoryConfig.lends``. ``auto`` keeps the pool where that plan fits in
+    ``AUTO_DEVICE_FRACTION`` of the GPU with rows at least as long as lending's."""
+    if not may_lend:
+        return (False, *plan_for(False))
+    lent, lent_rows = plan_for(True)
+    if lend_kv == "always":
+        return True, lent, lent_rows
+    kept, kept_rows = plan_for(False)
+    if kept_rows >= lent_rows and kept.fits(AUTO_DEVICE_FRACTION):
+        return False, kept, kept_rows
+    return True, lent, lent_rows
 
 
 @dataclass
@@ -44,6 +64,10 @@ class MemoryPlan:
     @property
     def total_gib(self) -> float:
         return sum(gib for _, gib, _ in self.rows)
+
+    def fits(self, fraction: float) -> bool:
+        """Whether the estimate is within ``fraction`` of the device (always, without a device size)."""
+        return self.device_gib is None or self.total_gib <= fraction * self.device_gib
 
     def table(self) -> str:
         lines = [f"{'memory plan':28s} {'GiB':>8s}"]
@@ -155,7 +179,7 @@ def auto_row_tokens(plan_for: Callable[[int], MemoryPlan], longest_sample: int) 
     plans = {tokens: plan_for(tokens) for tokens in AUTO_ROW_TOKENS}
     if plans[AUTO_ROW_TOKENS[0]].device_gib is None:
         return max(4096, longest_sample)
-    fits = [t for t, plan in plans.items() if plan.total_gib <= AUTO_DEVICE_FRACTION * plan.device_gib]
+    fits = [t for t, plan in plans.items() if plan.fits(AUTO_DEVICE_FRACTION)]
     return max(fits[0] if fits else AUTO_ROW_TOKENS[-1], longest_sample)
 
 
