@@ -157,8 +157,9 @@ def _engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, topology: Topol
     """The colocated engine on the trainer's own weights (its KV pool sized for the rollouts in flight unless the
     engine section sizes it), or clients of `unison serve` servers and the publisher that keeps their weights the
     trainer's. Data-parallel replicas each ask the servers for their own rollouts; the first alone publishes (every
-    replica holds the same weights after a step), and the next step's rollouts start after its patch is applied
-    (the metrics gathered at the end of each step wait for it). None for the publisher of the other replicas."""
+    replica holds the same weights after a step), and the next step's rollouts start after its patch is sent (the
+    metrics gathered at the end of each step wait for it; each sample carries the versions the servers sampled it
+    with). None for the publisher of the other replicas."""
     if cfg.sync.mode != "colocated":
         tp = topology.tp  # a tensor-parallel group: rank 0 talks to the servers, the patches come from every rank
         remote = RemoteEngine(cfg.sync.servers, cfg.sync.timeout_s, token=resolve_token(cfg.sync.token)) \
