@@ -41,6 +41,18 @@ def test_guard_passes_what_unison_computes_exactly(make):
         assert torch.equal(p, params[name]), name
 
 
+def test_guard_scores_the_training_forward_with_the_fused_kernels(monkeypatch):
+    """The guard's trainer side runs the kernels the run trains with (here in Triton's interpreter)."""
+    pytest.importorskip("triton")
+    from unison.train import fused
+
+    calls = []
+    real = fused.silu_mul
+    monkeypatch.setattr(fused, "silu_mul", lambda gate, up: calls.append(gate.shape) or real(gate, up))
+    report = check_parity(tiny_qwen3(), EngineConfig(block_size=4), kernels=True)
+    assert report.trainer_max < 1e-4 and len(calls) == 2  # one packed row through both layers' MLPs
+
+
 def alibi_eager(module, query, key, value, attention_mask, alibi_slope: float, **kwargs):
     """transformers' eager attention plus a linear distance penalty on the scores (ALiBi)."""
     pos = torch.arange(key.shape[2])

@@ -77,7 +77,7 @@ class ParityReport:
 
 def check_parity(model: torch.nn.Module, engine_config: EngineConfig | None = None, topology: Topology | None = None,
                  num_prompts: int = 3, samples_per_prompt: int = 2, new_tokens: int = 8, seed: int = 0,
-                 images: ImagePrompter | None = None) -> ParityReport:
+                 images: ImagePrompter | None = None, kernels: bool | None = None) -> ParityReport:
     """Refuse (ParityError naming the class and the gap) a model whose engine or packed-training logprobs differ
     from its own forward's beyond ``TOLERANCE``; returns the measured gaps otherwise.
 
@@ -86,7 +86,8 @@ def check_parity(model: torch.nn.Module, engine_config: EngineConfig | None = No
     attention implementation and train/eval mode are as before afterwards. Errors unison raises itself for a
     feature it refuses (a softcap in its attention, an unknown head transform) come out as they are. ``images``: a
     vision-language model's prompter; one more prompt then holds a random image, which the model's own forward takes
-    as pixels (its own image merging and positions).
+    as pixels (its own image merging and positions). ``kernels``: the training forward's fused kernels, as the run
+    trains (``step.fused_kernels``; None: on the GPU).
     """
     t0 = time.perf_counter()
     name = type(model).__name__
@@ -100,7 +101,8 @@ def check_parity(model: torch.nn.Module, engine_config: EngineConfig | None = No
         kept = [scored_tokens(model, s.completion_ids) if s.images is not None else len(s.completion_ids)
                 for s in samples]
         engine = torch.cat([torch.tensor(s.engine_logprobs[:n]) for s, n in zip(samples, kept, strict=True)])
-        trainer = torch.cat([t[:n] for t, n in zip(_trainer_logprobs(model, samples, topology), kept, strict=True)])
+        scored = _trainer_logprobs(model, samples, topology, kernels)
+        trainer = torch.cat([t[:n] for t, n in zip(scored, kept, strict=True)])
         with _reference_mode(model):
             reference = torch.cat([_reference_logprobs(model, s) for s in samples])
     finally:
@@ -165,11 +167,11 @@ def _engine_samples(model, engine_config, topology, num_prompts, samples_per_pro
 
 
 @torch.no_grad()
-def _trainer_logprobs(model, samples: list[Sample], topology) -> list[torch.Tensor]:
+def _trainer_logprobs(model, samples: list[Sample], topology, kernels: bool | None = None) -> list[torch.Tensor]:
     """Every sample packed into one row, scored by the training step's forward; returned in ``samples`` order."""
     (row,) = pack_samples(samples, max_tokens_per_row=sum(s.num_tokens for s in samples), pad_id=0)
     with local_forward(model, topology)(train=True):
-        logp, _ = policy_logprobs(model, row.to(next(model.parameters()).device))
+        logp, _ = policy_logprobs(model, row.to(next(model.parameters()).device), kernels=kernels)
     logp = logp.cpu().split([len(samples[i].completion_ids) for i in row.sample_index])
     by_sample = dict(zip(row.sample_index, logp, strict=True))
     return [by_sample[i] for i in range(len(samples))]

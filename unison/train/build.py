@@ -96,7 +96,8 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
     processor = load_processor(cfg.model.name_or_path) if is_vision_model(model) else None
     images = ImagePrompter(model, processor) if processor is not None else None
     check_packed_attention(model)
-    check_parity(model, cfg.engine, topology, images=images)  # refuses what unison computes unlike the model does
+    # Refuses what unison computes unlike the model does, through the training forward the run uses.
+    check_parity(model, cfg.engine, topology, images=images, kernels=None if cfg.step.fused_kernels else False)
     task = task or load_task(cfg.data)
     if cfg.rewards:  # the config's reward functions replace the task's
         task = dataclasses.replace(task, reward_fns=build_reward_fns(cfg.rewards, cfg.rollout.max_new_tokens))
