@@ -2,6 +2,8 @@
 # Issue 23 on the GPU machine (carry .whl: transformers 5.24; ../shared/tools/gpu-wheels.sh):
 #   bash bench/speed_gpu.sh profile   # engine_profile (0.6B at 256 and 64) and train_profile (0.6B, 1.7B)
 #   bash bench/speed_gpu.sh engine    # bench/engine.py: 0.6B at 256 and 64 (unison alone)
+#   bash bench/speed_gpu.sh grpo      # bench/grpo_step.py --systems unison, both shapes: the defaults, then each of
+#                                     # SETS (default: step.fused_kernels=false memory.lend_kv=always), one at a time
 #   bash bench/speed_gpu.sh tests     # the GPU tests of the engine's and the trainer's kernels
 # Results under $OUT/speed/<TAG> (TAG defaults to "run").
 set -uo pipefail
@@ -29,6 +31,15 @@ for mode in "${@:-profile}"; do
          --json "$out/engine_0.6b_256.json" 2>&1 | quiet 6
        python3 engine.py --device cuda --shape qwen3-0.6b --concurrency 64 --prompt 128 --new 256 \
          --json "$out/engine_0.6b_64.json" 2>&1 | quiet 6) ;;
+    grpo)
+      for shape in qwen3-0.6b qwen3-1.7b; do
+        python3 bench/grpo_step.py --systems unison --shapes $shape --json "$out/grpo_${shape}_default.json" \
+          --workdir /tmp/speed_$shape 2>&1 | tail -1
+        for set in ${SETS:-step.fused_kernels=false memory.lend_kv=always}; do
+          python3 bench/grpo_step.py --systems unison --shapes $shape --unison-set "$set" \
+            --json "$out/grpo_${shape}_${set//[=.]/_}.json" --workdir /tmp/speed_${shape}_${set//[=.]/_} 2>&1 | tail -1
+        done
+      done ;;
     tests)
       timeout "${LIMIT:-300}" python3 -m pytest -q -x -s -p no:cacheprovider ${TESTS:-tests/test_fused_train_gpu.py \
         tests/test_triton_gpu.py tests/test_engine_gpu.py} 2>&1 | quiet 40 ;;

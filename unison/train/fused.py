@@ -164,10 +164,13 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def fused_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The SwiGLU MLPs of known classes in ``model`` whose forward is transformers' (checked from its source) and
     whose activation is SiLU."""
-    return [m for m in model.modules()
-            if type(m).__name__ in MLP_CLASSES and type(getattr(m, "act_fn", None)).__name__ in ("SiLU",
-                                                                                                "SiLUActivation")
-            and _MLP_SOURCE in inspect.getsource(type(m).forward)]
+    return [m for m in model.modules() if _swiglu_class(type(m))
+            and type(getattr(m, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")]
+
+
+@functools.cache
+def _swiglu_class(cls: type) -> bool:
+    return cls.__name__ in MLP_CLASSES and _MLP_SOURCE in inspect.getsource(cls.forward)
 
 
 @contextmanager
