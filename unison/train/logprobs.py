@@ -118,19 +118,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for start in range(0, m, chunk_size):
             end = min(start + chunk_size, m)
             z = _scaled_logits(hidden[start:end], weight, inv_temp, transform)  # (c, V) float32
-            if kernels:
-                from unison.train import triton_logprobs
-                lse[start:end], logp[start:end], chunk_entropy = triton_logprobs.chunk_forward(
-                    z, targets[start:end], with_entropy)
-                if with_entropy:
-                    entropy[start:end] = chunk_entropy
-                continue
-            chunk_lse = torch.logsumexp(z, dim=-1)
-            lse[start:end] = chunk_lse
-            logp[start:end] = z.gather(1, targets[start:end, None]).squeeze(1) - chunk_lse
+            lse[start:end], logp[start:end], chunk_entropy = _chunk_stats(z, targets[start:end], with_entropy,
+                                                                          kernels)
             if with_entropy:
-                log_probs = z - chunk_lse[:, None]  # not lse - sum(p * z): that cancels at large logits
-                entropy[start:end] = -(log_probs.exp() * log_probs).sum(-1)
+                entropy[start:end] = chunk_entropy
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.inv_temp, ctx.chunk_size, ctx.transform, ctx.kernels = inv_temp, chunk_size, transform, kernels
         ctx.mark_non_differentiable(entropy)
@@ -150,21 +141,39 @@ class _ChunkedLogprobs(torch.autograd.Function):
             h = hidden[start:end]
             z = _scaled_logits(h, weight, ctx.inv_temp, ctx.transform)
             g = grad_logp[start:end].float()
-            # d logp / d z = onehot(target) - softmax(z), z = transform(x) / T: the transform's chain rule, the 1/T
-            # included, takes it back to the raw logits x = h @ W.T.
-            if ctx.kernels:  # no softcap: the chain rule is the one factor scale / T
-                from unison.train import triton_logprobs
-                dlogits = triton_logprobs.chunk_backward(z, targets[start:end], lse[start:end], g.contiguous(),
-                                                         ctx.transform.scale * ctx.inv_temp, weight.dtype)
-            else:
-                dz = torch.exp(z - lse[start:end, None]).mul_(-g[:, None])
-                dz.scatter_add_(1, targets[start:end, None], g[:, None])
-                dlogits = ctx.transform.backward_(dz, z, ctx.inv_temp).to(weight.dtype)  # (c, V)
+            dlogits = _chunk_grad(z, targets[start:end], lse[start:end], g, ctx.transform, ctx.inv_temp,
+                                  weight.dtype, ctx.kernels)  # (c, V)
             if need_h:
                 grad_h[start:end] = dlogits @ weight
             if need_w:
                 grad_w += (dlogits.T @ h).float()
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None, None
+
+
+def _chunk_stats(z: torch.Tensor, targets: torch.Tensor, with_entropy: bool, kernels: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """z: (c, V) float32 scaled logits. Returns (lse, logp of the targets, entropy or None), each (c,) float32."""
+    if kernels:
+        from unison.train import triton_logprobs
+        return triton_logprobs.chunk_forward(z, targets, with_entropy)
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(1, targets[:, None]).squeeze(1) - lse
+    if not with_entropy:
+        return lse, logp, None
+    log_probs = z - lse[:, None]  # not lse - sum(p * z): that cancels at large logits
+    return lse, logp, -(log_probs.exp() * log_probs).sum(-1)
+
+
+def _chunk_grad(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, transform: HeadTransform,
+                inv_temp: float, dtype: torch.dtype, kernels: bool) -> torch.Tensor:
+    """d loss / d x for the raw logits x of a chunk, in ``dtype``: d logp / d z = onehot(target) - softmax(z), and the
+    transform's chain rule, the 1/T included, takes it back to x (z is consumed under a softcap)."""
+    if kernels:  # no softcap: the chain rule is the one factor scale / T
+        from unison.train import triton_logprobs
+        return triton_logprobs.chunk_backward(z, targets, lse, g.contiguous(), transform.scale * inv_temp, dtype)
+    dz = torch.exp(z - lse[:, None]).mul_(-g[:, None])
+    dz.scatter_add_(1, targets[:, None], g[:, None])
+    return transform.backward_(dz, z, inv_temp).to(dtype)
 
 
 def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, inv_temp: float,
