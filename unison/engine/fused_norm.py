@@ -55,8 +55,7 @@ def fused_norms(model: torch.nn.Module, norm=None):
     norm = norm or rms_norm
     patched = []
     for module in model.modules():
-        if (type(module).__name__ in NORM_CLASSES and hasattr(module, "variance_epsilon")
-                and type(module.weight) in (torch.Tensor, torch.nn.Parameter)):  # not a DTensor
+        if type(module).__name__ in NORM_CLASSES and hasattr(module, "variance_epsilon"):
             patched.append((module, module.__dict__.get("forward")))
             module.forward = _fused_forward(module, norm)
     try:
