@@ -23,7 +23,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
 
-from unison.engine import Engine, EngineConfig, SamplingParams
+from unison.engine import Engine, EngineConfig, SamplingParams, fused_linear
 from unison.engine.lm_head import lm_head_fp32
 
 SHAPES = {
@@ -81,7 +81,8 @@ def run_unison(model, prompts, new: int, args, attention: str = "auto") -> tuple
     tokens_per_req = len(prompts[0]) + new
     blocks = len(prompts) * -(-tokens_per_req // args.block_size) + 8
     engine = Engine(model, EngineConfig(num_blocks=blocks, block_size=args.block_size, seed=0, attention=attention,
-                                        max_batch_tokens=args.max_batch_tokens, max_num_seqs=len(prompts)))
+                                        max_batch_tokens=args.max_batch_tokens, max_num_seqs=len(prompts),
+                                        async_scheduling=not args.no_async))
     # Warm-up at the same concurrency: compiles the kernels and captures the decode graphs the run will use.
     engine.generate(prompts, SamplingParams(max_new_tokens=4, stop_token_ids=()))
     sync(args.device)
@@ -217,8 +218,13 @@ def main():
     p.add_argument("--reference", action="store_true", help="also report the reference path's logprob agreement")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-batch-tokens", type=int, default=8192)
+    p.add_argument("--no-async", action="store_true", help="synchronous decode steps (engine.async_scheduling=false)")
+    p.add_argument("--no-fused-projections", action="store_true",
+                   help="cuBLAS's projections in the decode graphs (unison.engine.fused_linear off)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
+    if args.no_fused_projections:
+        fused_linear.MAX_ROWS = 0
     workloads = SUITES[args.suite] if args.suite else [
         (args.shape, args.concurrency, args.prompt, args.new, args.transformers)]
     ceilings = machine_ceilings(args.device)
@@ -255,6 +261,8 @@ def main():
                 json.dump({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                            "torch": torch.__version__, "commit": commit(), "ceilings": ceilings,
                            "config": {"block_size": args.block_size, "max_batch_tokens": args.max_batch_tokens,
+                                      "async_scheduling": not args.no_async,
+                                      "fused_projections": not args.no_fused_projections,
                                       "sampling": "T=1, logprobs, no stop tokens, random bf16 weights"},
                            "workloads": results}, f, indent=2)
     print(f"{'workload':32s} {'unison tok/s':>12s} {'ms/decode':>9s} {'hf tok/s':>9s} {'roofline':>9s}")

@@ -4,7 +4,9 @@
 
 Runs the workload's prefill and early decode normally, then profiles decode steps: each phase (schedule,
 forward, sample, finish) synchronised so its time is its own, the runner's host-side input preparation timed
-alone, and one graph replay under torch.profiler for the kernel breakdown. Diagnostics, not a benchmark.
+alone, and one graph replay under torch.profiler for the kernel breakdown. Diagnostics, not a benchmark. The
+phases are those of synchronous steps: with the overlapped decode (the default) a decode step goes around them and
+they read 0; ``--sync`` turns it off (engine.async_scheduling=false).
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ def main():
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--sync", action="store_true", help="synchronous steps, whose phases are timed")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     model = build(args.shape, "cuda", torch.bfloat16, "unison")
     prompts = prompts_for(model.config.vocab_size, args.concurrency, args.prompt)
     engine = Engine(model, EngineConfig(num_blocks=args.concurrency * 40 + 8, block_size=16, seed=0,
-                                        max_batch_tokens=8192, max_num_seqs=args.concurrency))
+                                        max_batch_tokens=8192, max_num_seqs=args.concurrency,
+                                        async_scheduling=not args.sync))
     for prompt in prompts:
         engine.submit(prompt, SamplingParams(max_new_tokens=10 * args.steps, stop_token_ids=()))
     for _ in range(args.steps):  # prefill, graph capture, early decode

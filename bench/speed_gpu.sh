@@ -4,6 +4,8 @@
 #   bash bench/speed_gpu.sh engine    # bench/engine.py: 0.6B at 256 and 64 (unison alone)
 #   bash bench/speed_gpu.sh grpo      # bench/grpo_step.py --systems unison, both shapes: the defaults, then each of
 #                                     # SETS (default: step.fused_kernels=false memory.lend_kv=always), one at a time
+#   bash bench/speed_gpu.sh decode    # bench/decode_linear.py, then bench/engine.py at 0.6B x 64 and 256: as is,
+#                                     # with synchronous steps (--no-async), with cuBLAS's projections
 #   bash bench/speed_gpu.sh tests     # the GPU tests of the engine's and the trainer's kernels
 # Results under $OUT/speed/<TAG> (TAG defaults to "run").
 set -uo pipefail
@@ -40,6 +42,17 @@ for mode in "${@:-profile}"; do
             --json "$out/grpo_${shape}_${set//[=.]/_}.json" --workdir /tmp/speed_${shape}_${set//[=.]/_} 2>&1 | tail -1
         done
       done ;;
+    decode)  # VARIANTS_64 / VARIANTS_256: the bench/engine.py flags run at each concurrency ("-" alone: as is)
+      (cd bench
+       python3 decode_linear.py --rows ${ROWS:-1 16 64 128} --json "$out/decode_linear.json" 2>&1 | quiet 16
+       for c in 64 256; do
+         var=VARIANTS_$c
+         for v in ${!var:-- --no-async --no-fused-projections}; do
+           [[ $v == - ]] && v=""
+           python3 engine.py --device cuda --shape qwen3-0.6b --concurrency $c --prompt 128 --new 256 $v \
+             --json "$out/engine_0.6b_${c}${v//-/_}.json" 2>&1 | grep "tok/s (" | sed "s/^/[${v:-default}] /"
+         done
+       done) ;;
     tests)
       timeout "${LIMIT:-300}" python3 -m pytest -q -x -s -p no:cacheprovider ${TESTS:-tests/test_fused_train_gpu.py \
         tests/test_triton_gpu.py tests/test_engine_gpu.py} 2>&1 | quiet 40 ;;

@@ -181,18 +181,22 @@ def test_fused_sampler_logprobs_greedy_and_distribution():
 
 
 def test_fused_sampler_split_vocabulary_equals_one_part():
-    """Splitting each row's vocabulary into parts changes neither the draw nor (beyond fp32 summation order) the
-    logprob, and a tie across parts goes to the lowest index, like argmax."""
+    """Splitting each row's vocabulary into parts, or into tiles of another width, changes neither the draw (a
+    token's noise depends on its seed and index alone) nor (beyond fp32 summation order) the logprob, and a tie
+    across parts goes to the lowest index, like argmax."""
     g = torch.Generator().manual_seed(2)
     logits = 3 * torch.randn(5, 1000, generator=g)
     logits[4, [70, 650, 900]] = 50.0  # a greedy row whose maximum is tied in three parts
     temps, seeds = [1.0, 0.5, 2.0, 1.0, 0.0], [1, 2, 3, 4, 5]
     whole = FusedSampler(logits.device, block_v=64, target_programs=1)
     split = FusedSampler(logits.device, block_v=64, target_programs=64)  # 16 tiles: 16 parts of one tile
-    (t1, l1), (t2, l2) = whole(logits, temps, seeds), split(logits, temps, seeds)
-    assert torch.equal(t1, t2)
+    wide = FusedSampler(logits.device, block_v=256, target_programs=8)
+    (t1, l1), (t2, l2), (t3, l3) = whole(logits, temps, seeds), split(logits, temps, seeds), wide(logits, temps, seeds)
+    assert torch.equal(t1, t2) and torch.equal(t1, t3)
     torch.testing.assert_close(l1, l2, atol=1e-5, rtol=0)
+    torch.testing.assert_close(l1, l3, atol=1e-5, rtol=0)
     assert t2[4] == 70
+    assert not torch.equal(whole(logits, temps, [s + 1 for s in seeds])[0][:4], t1[:4])  # the seed matters
 
 
 def test_seeded_requests_reproducible_regardless_of_batch_with_fused_sampler():
@@ -256,3 +260,20 @@ def test_fused_rope_matches_transformers(dtype):
             assert ((out.float() - ref.float()).abs() <= 3 * 2.0**-7 * terms).all()
     direct_q, _ = rope(q, k, cos, sin)
     assert torch.equal(direct_q, out_q)
+
+
+def test_write_kv_equals_index_copies():
+    """The backend's one-kernel K/V write: what two index copies write, from strided inputs (keys as transformers
+    lays them out, (N, KVH, D) views of (KVH, N, D)), other widths for values (MLA), nothing written elsewhere."""
+    from unison.engine.triton_backend import write_kv
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(3, 5, 16, generator=g).transpose(0, 1)  # (5, 3, 16), strided
+    v = torch.randn(5, 3, 8, generator=g)
+    slots = torch.tensor([7, 0, 12, 3, 9])
+    pools = [torch.randn(16, 3, 16, generator=g), torch.randn(16, 3, 8, generator=g)]
+    ref = [p.clone() for p in pools]
+    ref[0].index_copy_(0, slots, k)
+    ref[1].index_copy_(0, slots, v)
+    assert write_kv(k, v, *pools, slots)
+    assert torch.equal(pools[0], ref[0]) and torch.equal(pools[1], ref[1])
+    assert not write_kv(k.double(), v, *pools, slots)  # another dtype: the caller's index copies

@@ -214,3 +214,30 @@ def test_chunks_with_sinks_and_mla_widths_match_reference():
     rel = ((outs[0] - outs[1]).norm() / outs[0].norm()).item()
     print(f"chunks sinks MLA widths: relative difference {rel:.2e}")
     assert outs[1].shape == (q.shape[0], heads, v_dim) and rel < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 128])  # up to fused_linear.MAX_ROWS
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_projections_on_gpu_at_the_bf16_floor(rows, bias):
+    """bf16 q/k/v in one launch, each alone, and gate/up with SwiGLU in another, at the 0.6B shape: each within
+    cuBLAS's own distance of the fp64 result (the summation order differs, not the roundings)."""
+    from unison.engine.fused_linear import gated, linear, project
+    g = torch.Generator("cuda").manual_seed(rows + bias)
+    h, widths = 1024, (2048, 1024, 1024)
+    x = torch.randn(rows, h, generator=g, device="cuda").bfloat16()
+    ws = [(torch.randn(n, h, generator=g, device="cuda") / 32).bfloat16() for n in widths]
+    bs = [torch.randn(n, generator=g, device="cuda").bfloat16() for n in widths] if bias else None
+    singles = [linear(x, w, bs[i] if bias else None) for i, w in enumerate(ws)]
+    for i, out in enumerate([*project(x, ws, bs), *singles]):
+        i %= 3
+        exact = torch.nn.functional.linear(x.double(), ws[i].double(), bs[i].double() if bias else None)
+        ours = (out.double() - exact).abs()
+        cublas = (torch.nn.functional.linear(x, ws[i], bs[i] if bias else None).double() - exact).abs()
+        # Each rounds the fp32 sum once: at most a rounding step more at a boundary, the same on average.
+        assert ours.max() <= 2 * cublas.max() and ours.mean() <= 1.1 * cublas.mean(), (i, ours.max(), cublas.max())
+    gate, up = ws[1], ws[2]
+    ref = torch.nn.functional.silu(torch.nn.functional.linear(x, gate)) * torch.nn.functional.linear(x, up)
+    out = gated(x, gate, up)
+    close = (out.float() - ref.float()).abs() <= 2 * 2**-8 * ref.float().abs() + 1e-3  # two bf16 ulps
+    assert close.float().mean() > 0.999, close.float().mean()
+    assert (out.float() - ref.float()).abs().mean() < 0.02 * ref.float().abs().mean()

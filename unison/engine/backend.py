@@ -71,8 +71,10 @@ class PagedBatch:
             raise ValueError(f"layer {layer}: keys {tuple(k.shape[1:])} and values {tuple(v.shape[1:])} per token, "
                              f"but the KV pool holds {tuple(k_pool.shape[1:])} and {tuple(v_pool.shape[1:])} "
                              f"(unison.engine.cache.kv_widths does not know this layer's shapes)")
-        k_pool.index_copy_(0, self.slot_mapping, k.to(k_pool.dtype))
-        v_pool.index_copy_(0, self.slot_mapping, v.to(v_pool.dtype))
+        write = getattr(self.backend, "write_kv", None)  # a backend's one-kernel write (k, v, pools, slots)
+        if write is None or not write(k, v, k_pool, v_pool, self.slot_mapping):
+            k_pool.index_copy_(0, self.slot_mapping, k.to(k_pool.dtype))
+            v_pool.index_copy_(0, self.slot_mapping, v.to(v_pool.dtype))
         return self.backend.attend(self.state, k_pool, v_pool, q, scale, window, sinks=sinks, softcap=softcap)
 
 

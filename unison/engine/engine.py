@@ -11,7 +11,6 @@ step so that cached prompt KV computed with the old weights is never served agai
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -31,6 +30,8 @@ from .attention import ATTN_NAME, NO_MASK
 from .backend import AttentionBackend, PagedBatch, StepLayout, TorchPagedBackend
 from .cache import BlockAllocator, KVPool, kv_widths
 from .lm_head import decoder_of, lm_head_of
+from .overlap import Overlap
+from .parts import WithMerged, eos_ids, resolve_kernels, snapshot_slots, state_pool
 from .sampler import apply_repetition_penalty, sample
 from .scheduler import Request, ScheduledChunk, Scheduler
 from .seeding import SEED_RANGE, request_seed, token_seed
@@ -76,7 +77,7 @@ class Engine:
         self.lora_merged = MergedAdapters(model) if is_lora(model) and engine_merges(
             config.lora_weights, model, self.device, tensor_parallel=tp > 1) else None
         if self.lora_merged is not None:
-            self.local_forward = _with_merged(self.local_forward, self.lora_merged)
+            self.local_forward = WithMerged(self.local_forward, self.lora_merged)
         experts = moe.kernel_modules(model) if config.moe_kernel == "triton" else []
         if experts:  # the engine's forwards only (prefill and the captured decode step); training keeps transformers'
             self.local_forward = moe.WithExpertsKernels(self.local_forward, experts)
@@ -88,14 +89,14 @@ class Engine:
                 mla.check_module(module)
             kv_heads = 1
         # Hybrid models' conv / linear-attention / state-space layers: a state per request beside the KV.
-        self.states = _state_pool(model, self.pool, config.max_num_seqs + _snapshot_slots(config), self.device, tp)
+        self.states = state_pool(model, self.pool, config.max_num_seqs + snapshot_slots(config), self.device, tp)
         self.allocator = BlockAllocator(config.num_blocks)
         self.scheduler = Scheduler(self.allocator, config.block_size, config.max_batch_tokens,
                                    config.max_num_seqs, config.prefix_caching,
                                    state_slots=config.max_num_seqs if self.states is not None else 0,
-                                   snapshot_slots=_snapshot_slots(config) if self.states is not None else 0)
+                                   snapshot_slots=snapshot_slots(config) if self.states is not None else 0)
         # The kernels config.attention picks: a given backend replaces its attention, never its sampler.
-        kernels = _resolve_kernels(config.attention, self.device)
+        kernels = resolve_kernels(config.attention, self.device)
         self.backend = backend or self._default_backend(kernels, kv_heads)
         self.runner = None
         if config.cuda_graphs and self.backend.static_decode:
@@ -104,7 +105,7 @@ class Engine:
                                        config.max_num_seqs, self.max_model_len, scratch_block=config.num_blocks,
                                        local_forward=self.local_forward, states=self.states)
         self.version = 0
-        self.eos_ids = _eos_ids(model)
+        self.eos_ids = eos_ids(model)
         self.generator = torch.Generator(self.device)
         if config.seed is not None:
             self.generator.manual_seed(config.seed)
@@ -116,13 +117,17 @@ class Engine:
             from .triton_sampler import FusedSampler
             self._fused_sample = FusedSampler(self.device, config.max_num_seqs)
         self._seed_rng = np.random.default_rng(config.seed)
+        # Decode steps launched before the last one's tokens are read (unison.engine.overlap).
+        self._overlap = Overlap(self.device, self.runner.max_batch) if (
+            config.async_scheduling and self.runner is not None and self._fused_sample is not None
+            and self.states is None) else None
         self._requests: dict[str, Request] = {}
         self._done: list[Completion] = []  # finished outside step() (aborts) or not claimed by generate()
         self._groups = 0
         self._arrivals = 0
         self._phases: dict[str, float] | None = None
         self._phase_t = 0.0
-        self._counters = {"steps": 0, "graph_steps": 0, "tokens_computed": 0, "tokens_generated": 0,
+        self._counters = {"steps": 0, "graph_steps": 0, "ahead_steps": 0, "tokens_computed": 0, "tokens_generated": 0,
                           "step_s": 0.0, "wait_s": 0.0, "kv_lent_bytes": 0,
                           "kv_dropped_tokens": 0}
 
@@ -189,6 +194,7 @@ class Engine:
         ``prompt_ids`` and only the new turn's tokens as ``token_ids``. ``params`` (n must be 1): the request's own
         when None. Returns ``request_id``. Raises KeyError for a request that is not parked, ValueError for tokens
         the engine refuses (the request stays parked)."""
+        self._drain()
         req = self.scheduler.parked.get(request_id)
         if req is None:
             raise KeyError(f"request {request_id!r} is not a finished continuable request: submit it with "
@@ -211,11 +217,13 @@ class Engine:
 
     def release(self, request_ids: Iterable[str]) -> int:
         """Free the KV that finished continuable requests keep for ``extend``. Returns how many were parked."""
+        self._drain()
         return sum(self.scheduler.release(request_id) for request_id in request_ids)
 
     def abort(self, request_ids: Iterable[str]) -> int:
         """Stop requests; each one's completion (finish_reason "abort", the tokens so far) comes out of the next
         ``step()``. Returns how many were unfinished; unknown and finished ids are ignored."""
+        self._drain()
         return sum(self._abort_one(request_id) for request_id in request_ids)
 
     def abort_all(self) -> int:
@@ -242,12 +250,20 @@ class Engine:
             raise RuntimeError("the engine's KV memory is lent out (inside engine.lend()): step it afterwards")
         finished, self._done = self._done, []
         t0 = self._phase_t = time.perf_counter()
+        if self._overlap is not None and self._overlap.steps:
+            ahead = self._decode_ahead()  # the next step goes to the device before the one in flight is read
+            finished += self._collect()
+            if ahead:
+                self._counters["step_s"] += time.perf_counter() - t0
+                return finished
         chunks = self.scheduler.schedule()
         if not chunks:
+            self._counters["step_s"] += time.perf_counter() - t0
             return finished
         self._copy_states()
         self._phase("schedule")
-        logits = self._forward(chunks)
+        graph = self._graph_step(chunks)
+        logits = self._forward(chunks, graph)
         self._phase("forward")
         self.scheduler.after_forward(chunks)
         self._copy_states()
@@ -255,6 +271,10 @@ class Engine:
         if sampling:
             tokens, logprobs = self._sample(logits, sampling)
             self._phase("sample")
+            if graph and self._overlap is not None and self._fused_rows(sampling):
+                self._overlap.launch([(c.request, c.start) for c in chunks], tokens, logprobs)  # read next step()
+                self._count(chunks, graph, 0, t0)
+                return finished
             t1 = time.perf_counter()
             tokens, logprobs = tokens.tolist(), logprobs.tolist()  # the step's one wait for the device
             self._counters["wait_s"] += time.perf_counter() - t1
@@ -264,11 +284,76 @@ class Engine:
                     self.scheduler.finish(req)
                     finished.append(self._complete(req, reason))
             self._phase("finish")
-        self._counters["steps"] += 1
-        self._counters["tokens_computed"] += sum(c.length for c in chunks)
-        self._counters["tokens_generated"] += len(sampling)
-        self._counters["step_s"] += time.perf_counter() - t0
+        self._count(chunks, graph, len(sampling), t0)
         return finished
+
+    def _count(self, chunks: list[ScheduledChunk], graph: bool, generated: int, t0: float) -> None:
+        self._counters["steps"] += 1
+        self._counters["graph_steps"] += graph
+        self._counters["tokens_computed"] += sum(c.length for c in chunks)
+        self._counters["tokens_generated"] += generated
+        self._counters["step_s"] += time.perf_counter() - t0
+
+    # -- overlapped decode (unison.engine.overlap) ----------------------------------------------------------
+
+    def _fused_rows(self, reqs: list[Request]) -> bool:
+        """Whether the fused sampler samples every one of ``reqs`` from the logits alone."""
+        return all(r.params.top_k == 0 and r.params.top_p == 1 and r.params.min_p == 0
+                   and r.params.repetition_penalty == 1 for r in reqs)
+
+    def _decode_ahead(self) -> bool:
+        """Launch the decode step after the newest in-flight one, on its requests that may go on, with its sampled
+        tokens as input. False (nothing launched) where the host must see those tokens first."""
+        last = self._overlap.steps[-1]
+        if self.scheduler.waiting or len(self._overlap.steps) > 1:
+            return False
+        bs, keep, rows = self.config.block_size, [], []
+        for i, (req, position) in enumerate(last.rows):
+            # Its in-flight token is at position + 1; at the length limit that token is its last.
+            if self._requests.get(req.request_id) is req and position + 2 < req.max_len:
+                keep.append(i)
+                rows.append((req, position + 1))
+        starting = [req for req, position in rows if position // bs >= len(req.blocks)]
+        if not rows or len(starting) > self.allocator.num_free:
+            return False
+        for req in starting:
+            req.blocks += self.allocator.allocate(1)
+        reqs = [req for req, _ in rows]
+        positions = [position for _, position in rows]
+        tokens = self._overlap.tokens_of(last, keep)
+        shift = [r.images.rope_delta if r.images is not None else 0 for r in reqs] if self.vision else None
+        logits = self.runner(None, positions, [r.blocks[p // bs] * bs + p % bs for r, p in rows],
+                             [r.blocks for r in reqs], [None] * len(reqs), rope_shift=shift, device_tokens=tokens)
+        # Each row samples output token (position + 1 - prompt length) of its request.
+        sampled, logprobs = self._sample(logits, reqs, [p + 1 - len(r.prompt) for r, p in rows])
+        self._overlap.launch(rows, sampled, logprobs)
+        for counter in ("steps", "graph_steps", "ahead_steps"):
+            self._counters[counter] += 1
+        self._counters["tokens_computed"] += len(rows)
+        return True
+
+    def _collect(self) -> list[Completion]:
+        """Wait for the oldest in-flight step's tokens and append them; its completions. A row whose request
+        stopped (or was aborted) since its launch was a guess: its token is dropped."""
+        t1 = time.perf_counter()
+        step, tokens, logprobs = self._overlap.wait()
+        self._counters["wait_s"] += time.perf_counter() - t1
+        finished = []
+        for (req, position), token, logprob in zip(step.rows, tokens, logprobs, strict=True):
+            if self._requests.get(req.request_id) is not req or req.num_tokens != position + 1:
+                continue
+            req.num_computed = position + 1
+            self._counters["tokens_generated"] += 1
+            reason = self._append(req, token, logprob)
+            if reason is not None:
+                self.scheduler.finish(req)
+                finished.append(self._complete(req, reason))
+        return finished
+
+    def _drain(self) -> None:
+        """Bring every in-flight step's tokens in; their completions come out of the next ``step()``."""
+        while self._overlap is not None and self._overlap.steps:
+            self._done.extend(self._collect())
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[Completion]:
         """Submit every prompt and step until all of their samples finish; completions in submission order.
@@ -285,6 +370,7 @@ class Engine:
         """Call after every in-place update of the model's parameters, with their new version: tokens sampled from
         here on carry it, and prompt KV cached under the old weights is dropped (running requests keep theirs, or
         recompute it under ``inflight_policy="recompute"``)."""
+        self._drain()  # a step in flight ran before the update, in stream order: its tokens are the old version's
         self.version = version
         if self.lora_merged is not None:
             self.lora_merged.refresh()
@@ -299,6 +385,7 @@ class Engine:
         and logprobs are kept); the prefix cache is emptied. On exit the step's cached allocator blocks go back
         to the device so the pool can be taken again; CUDA graphs stay valid where the pool keeps its address
         (CUDA virtual memory) and are recaptured on their next use otherwise. Do not step the engine inside."""
+        self._drain()
         self._counters["kv_dropped_tokens"] += self.scheduler.preempt_all()
         self.scheduler.clear_prefix_cache()
         lent = self.pool.release() + (self.states.release() if self.states is not None else 0)
@@ -333,7 +420,9 @@ class Engine:
 
     # -- internals ----------------------------------------------------------------------------------------
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], index: list[int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row i samples output token ``index[i]`` of ``reqs[i]`` (default: the next one, ``len(output)``)."""
         penalised = [i for i, r in enumerate(reqs) if r.params.repetition_penalty != 1]
         if penalised:  # on the raw logits, before either sampler
             logits = apply_repetition_penalty(logits, penalised, [reqs[i].prompt + reqs[i].output for i in penalised],
@@ -343,8 +432,9 @@ class Engine:
         if self._fused_sample is not None and all(r.params.top_k == 0 and r.params.top_p == 1 and r.params.min_p == 0
                                                   for r in reqs):
             drawn = self._seed_rng.integers(0, SEED_RANGE, len(reqs)).tolist()
-            seeds = [d if r.seed is None else token_seed(r.seed, r.seed_offset + len(r.output))
-                     for r, d in zip(reqs, drawn, strict=True)]
+            index = index or [len(r.output) for r in reqs]
+            seeds = [d if r.seed is None else token_seed(r.seed, r.seed_offset + i)
+                     for r, d, i in zip(reqs, drawn, index, strict=True)]
             return self._fused_sample(logits, temperature, seeds)
         return sample(logits, temperature, [r.params.top_k for r in reqs], [r.params.top_p for r in reqs],
                       [r.generator_on(self.device) for r in reqs], self.generator, [r.params.min_p for r in reqs])
@@ -365,12 +455,15 @@ class Engine:
         self._phases[name] += now - self._phase_t
         self._phase_t = now
 
-    def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def _graph_step(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether the step runs through the decode runner (every request decoding one token)."""
+        return (self.runner is not None and len(chunks) <= self.runner.max_batch
+                and all(c.length == 1 and c.samples for c in chunks))
+
+    def _forward(self, chunks: list[ScheduledChunk], graph: bool) -> torch.Tensor:
         """One forward over every scheduled token. Returns (S_sampling, V) fp32 logits of the sampling requests."""
         bs = self.config.block_size
-        if (self.runner is not None and len(chunks) <= self.runner.max_batch
-                and all(c.length == 1 and c.samples for c in chunks)):
-            self._counters["graph_steps"] += 1
+        if graph:
             reqs = [c.request for c in chunks]
             positions = [c.start for c in chunks]
             shift = [r.images.rope_delta if r.images is not None else 0 for r in reqs] if self.vision else None
@@ -431,57 +524,3 @@ class Engine:
         stop_string = self._stops.find(req.output, req.params.stop) if reason == "stop" and req.params.stop else None
         return Completion(req.request_id, req.group_id, list(req.prompt), list(req.output), list(req.logprobs),
                           reason, list(req.versions), stop_string)
-
-
-def _snapshot_slots(config: EngineConfig) -> int:
-    """State slots for shared prompts (one per group a hybrid model's samples fork from), beside one per request."""
-    return config.max_num_seqs // 4 + 1 if config.prefix_caching else 0
-
-
-def _state_pool(model: torch.nn.Module, pool: KVPool, max_num_seqs: int, device: torch.device,
-                tp: int) -> state.StatePool | None:
-    """The per-request state pool of a hybrid model's sequence layers (None for a model without them): a slot per
-    running request, the shared prompts' and a scratch slot. Refuses layers without attention and without state."""
-    layers = state.install(model)
-    covered = {s.layer_idx for s in layers}
-    bare = [i for i, kv in enumerate(pool.layers) if kv.kv_heads == 0 and i not in covered]
-    if bare:
-        raise ValueError(f"{type(model).__name__}: layers {bare} keep no KV and are no sequence layer unison's "
-                         f"engine knows (unison.engine.state); it cannot generate from this model")
-    if not layers:
-        return None
-    if tp > 1:
-        raise ValueError(f"{type(model).__name__}: hybrid models (conv / linear-attention / state-space layers) "
-                         f"run without tensor parallelism for now")
-    return state.StatePool(layers, max_num_seqs + 1, device)
-
-
-def _resolve_kernels(choice: str, device: torch.device) -> str:
-    """``EngineConfig.attention`` made concrete: "triton" (the Triton attention and fused sampler) or "torch"."""
-    if choice == "auto":
-        return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
-    return choice
-
-
-def _eos_ids(model: torch.nn.Module) -> list[int]:
-    """Every eos id the model declares (generation config and config; some models end turns on several)."""
-    ids: list[int] = []
-    for cfg in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
-        for t in [eos] if isinstance(eos, int) else (eos or []):
-            if t not in ids:
-                ids.append(int(t))
-    return ids
-
-
-class _with_merged:
-    """The engine's forward context (``local``'s) with a LoRA policy's merged weights switched in."""
-
-    def __init__(self, local, merged: MergedAdapters):
-        self.local, self.merged = local, merged
-        self.heartbeat = getattr(local, "heartbeat", None)
-
-    @contextmanager
-    def __call__(self, train: bool = False) -> Iterator[int]:
-        with self.local(train=train) as value, self.merged.active():
-            yield value

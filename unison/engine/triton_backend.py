@@ -14,11 +14,45 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
 from .attention_ops import torch_varlen_attn, varlen_attention, varlen_supported
 from .backend import StepLayout, context_slots, prefill_reference
 from .triton_attention import num_splits, paged_decode
 from .triton_mla import is_latent, mla_decode
+
+
+@triton.jit
+def _write_kv_kernel(K, V, KP, VP, Slots, sk_t, sk_h, sv_t, sv_h, skp, svp, K_DIM: tl.constexpr,
+                     V_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HEADS: tl.constexpr):
+    """One token: its keys and values (every KV head) into the pools' rows at its slot."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(Slots + t)
+    i = tl.arange(0, BLOCK_K)
+    head, d = i // K_DIM, i % K_DIM
+    mask = i < HEADS * K_DIM
+    tl.store(KP + slot * skp + i, tl.load(K + t * sk_t + head * sk_h + d, mask=mask), mask=mask)
+    j = tl.arange(0, BLOCK_V)
+    head, d = j // V_DIM, j % V_DIM
+    mask = j < HEADS * V_DIM
+    tl.store(VP + slot * svp + j, tl.load(V + t * sv_t + head * sv_h + d, mask=mask), mask=mask)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+             slots: torch.Tensor) -> bool:
+    """``k_pool[slots] = k; v_pool[slots] = v`` in one launch (two index copies otherwise). k: (N, KVH, Dk), v:
+    (N, KVH, Dv), each head's row contiguous, of the pools' dtype; the pools' rows contiguous. False (nothing
+    written) where that does not hold."""
+    if (k.dtype != k_pool.dtype or v.dtype != v_pool.dtype or k.stride(-1) != 1 or v.stride(-1) != 1
+            or not k_pool.is_contiguous() or not v_pool.is_contiguous() or 0 in (k.shape[0], k.shape[-1], v.shape[-1])):
+        return False
+    heads, k_dim, v_dim = k.shape[1], k.shape[2], v.shape[2]
+    _write_kv_kernel[(k.shape[0],)](k, v, k_pool, v_pool, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                    k_pool.stride(0), v_pool.stride(0), K_DIM=k_dim, V_DIM=v_dim,
+                                    BLOCK_K=triton.next_power_of_2(heads * k_dim),
+                                    BLOCK_V=triton.next_power_of_2(heads * v_dim), HEADS=heads, num_warps=4)
+    return True
 
 
 @dataclass
@@ -39,6 +73,7 @@ class TritonState:
 
 class TritonPagedBackend:
     static_decode = True  # decode_state: the CUDA-graph runner's step
+    write_kv = staticmethod(write_kv)  # PagedBatch.attend's K/V write, one kernel for both
 
     def __init__(self, block_size: int, kv_heads: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
                  block_n: int = 64, num_warps: int = 4, num_stages: int = 2):

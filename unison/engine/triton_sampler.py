@@ -1,11 +1,12 @@
 """Sampling and the sampled token's logprob in one pass over the logits (Triton), for rows without top-k/top-p.
 
 Per row: x = logits / T; token = argmax(x + Gumbel noise) (exact sampling from softmax(x)); logprob =
-x[token] - logsumexp(x). The noise comes from Philox keyed by a per-row seed and the token index, so a seeded
-request draws the same noise whatever else is in the batch. Greedy rows (T = 0) add no noise and take their
-logprob at T = 1. The unfused PyTorch version reads and writes the (S, V) fp32 logits about ten times; this reads
-them once: each row's vocabulary is split into parts reduced side by side, then one small kernel combines a row's
-parts.
+x[token] - logsumexp(x). The noise comes from Philox keyed by a per-row seed and the token index (token v takes
+output v % 4 of the Philox call at counter v // 4: one call per four logits, where one per logit made the kernel
+compute-bound), so a seeded request draws the same noise whatever else is in the batch. Greedy rows (T = 0) add
+no noise and take their logprob at T = 1. The unfused PyTorch version reads and writes the (S, V) fp32 logits
+about ten times; this reads them once: each row's vocabulary is split into parts reduced side by side, then one
+small kernel combines a row's parts.
 """
 
 from __future__ import annotations
@@ -20,31 +21,38 @@ import triton.language as tl
 def _sample_part_kernel(Logits, stride_row, Params, Parts, Best, parts, VOCAB: tl.constexpr, BLOCK_V: tl.constexpr,
                         TILES: tl.constexpr):
     """One (row, part of TILES x BLOCK_V logits): the part's max, sum of exp(x - max), best perturbed value and its
-    index."""
+    index. A tile is BLOCK_V // 4 groups of 4 consecutive logits: one Philox call draws the 4 uniforms of a group."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     inv_t = tl.load(Params + 3 * row).to(tl.float32)  # per row: 1/T, noise (1 sample, 0 greedy), seed
     noise = tl.load(Params + 3 * row + 1).to(tl.float32)
     seed = tl.load(Params + 3 * row + 2).to(tl.int64)
     base = Logits + row.to(tl.int64) * stride_row
-    m = tl.full([BLOCK_V], float("-inf"), tl.float32)  # per-lane running max and sum (log-sum-exp)
-    s = tl.zeros([BLOCK_V], tl.float32)
-    best = tl.full([BLOCK_V], float("-inf"), tl.float32)  # per-lane best perturbed value and its index
-    best_idx = tl.full([BLOCK_V], VOCAB, tl.int32)
+    GROUPS: tl.constexpr = BLOCK_V // 4
+    m = tl.full([GROUPS, 4], float("-inf"), tl.float32)  # per-lane running max and sum (log-sum-exp)
+    s = tl.zeros([GROUPS, 4], tl.float32)
+    best = tl.full([GROUPS, 4], float("-inf"), tl.float32)  # per-lane best perturbed value and its index
+    best_idx = tl.full([GROUPS, 4], VOCAB, tl.int32)
     for i in range(0, TILES):
-        offs = (part * TILES + i) * BLOCK_V + tl.arange(0, BLOCK_V)
+        group = (part * TILES + i) * GROUPS + tl.arange(0, GROUPS)  # the Philox counter of logits 4g .. 4g + 3
+        offs = group[:, None] * 4 + tl.arange(0, 4)[None, :]
         mask = offs < VOCAB
         x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
         m_new = tl.maximum(m, x)
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane that has seen only -inf stays at s = 0
         s = s * tl.exp(m - shift) + tl.where(mask, tl.exp(x - shift), 0.0)
         m = m_new
-        u = tl.rand(seed, offs)
+        u0, u1, u2, u3 = tl.rand4x(seed, group)  # logit 4g + j takes output j of Philox(seed, g)
+        u = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [GROUPS, 4])
         gumbel = -tl.log(-tl.log(u + 1e-20) + 1e-20)
         z = tl.where(mask, x + noise * gumbel, float("-inf"))
         take = z > best
         best = tl.where(take, z, best)
         best_idx = tl.where(take, offs, best_idx)
+    m = tl.reshape(m, [BLOCK_V])
+    s = tl.reshape(s, [BLOCK_V])
+    best = tl.reshape(best, [BLOCK_V])
+    best_idx = tl.reshape(best_idx, [BLOCK_V])
     m_part = tl.max(m, 0)
     shift = tl.where(m_part == float("-inf"), 0.0, m_part)
     top = tl.max(best, 0)
@@ -80,8 +88,9 @@ def _sample_combine_kernel(Logits, stride_row, Params, Parts, Best, Tokens, Logp
 class FusedSampler:
     """``sampler(logits, temperature, seeds)``: tokens (S,) int64 and logprobs (S,) fp32 for logits (S, V) with
     the last dim contiguous, temperatures (0 = greedy) and per-row seeds in [0, 2**52). The per-row parameters
-    go through one pinned buffer in one asynchronous copy; the caller waits for the results before the next call
-    (the engine's one sync per step), so the buffer is never overwritten while a copy is pending."""
+    go through a pinned buffer in one asynchronous copy; two buffers take turns, and the caller waits for the results
+    of a call before making the call after next (the engine waits for every step's tokens, at most one step late), so
+    a buffer is never overwritten while its copy is pending."""
 
     def __init__(self, device: torch.device, max_rows: int = 1024, block_v: int = 2048, target_programs: int = 512):
         self.device = torch.device(device)
@@ -92,8 +101,9 @@ class FusedSampler:
     def _grow(self, rows: int) -> None:
         self.max_rows = rows
         pinned = self.device.type == "cuda"
-        self.host = torch.empty(rows, 3, dtype=torch.float64, pin_memory=pinned)
-        self.params = self.host if not pinned else torch.empty(rows, 3, dtype=torch.float64, device=self.device)
+        self.hosts = [torch.empty(rows, 3, dtype=torch.float64, pin_memory=pinned) for _ in range(2 if pinned else 1)]
+        self.params = None if not pinned else torch.empty(rows, 3, dtype=torch.float64, device=self.device)
+        self._turn = 0
 
     def __call__(self, logits: torch.Tensor, temperature: list[float], seeds: list[int]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,13 +111,16 @@ class FusedSampler:
         if rows > self.max_rows:
             self._grow(2 * rows)
         t = np.asarray(temperature, dtype=np.float64)
-        host = self.host.numpy()[:rows]
+        buffer = self.hosts[self._turn][:rows]
+        self._turn = (self._turn + 1) % len(self.hosts)
+        host = buffer.numpy()
         host[:, 0] = 1.0 / np.where(t > 0, t, 1.0)
         host[:, 1] = t > 0
         host[:, 2] = seeds
-        params = self.params[:rows]
-        if params is not self.host[:rows]:
-            params.copy_(self.host[:rows], non_blocking=True)
+        params = buffer
+        if self.params is not None:
+            params = self.params[:rows]
+            params.copy_(buffer, non_blocking=True)
         # Enough (row, part) programs to fill the device: one program per row over a 152k vocabulary leaves
         # most SMs idle at small batches (64 rows took 176 us on an H200, mostly Philox and logs, not bytes).
         # Tiles per part is a power of two, so batch sizes share a handful of compiled variants.

@@ -44,6 +44,11 @@ class EngineConfig:
     cuda_graphs: bool = True
     """With the Triton backend, run decode-only steps through CUDA graphs (captured per batch size on first use;
     on the CPU the same static-buffer path runs eagerly)."""
+    async_scheduling: bool = True
+    """Overlap the host's work with the device's in decode-only steps through the runner (cuda_graphs): the next step
+    is launched, fed the tokens the last one sampled on the device, before those are read back (unison.engine.overlap).
+    A request that stops meanwhile computes one more token, thrown away. Steps with a waiting request, top-k/top-p/
+    min-p, a repetition penalty, or a hybrid model's layer states run synchronously; the tokens are the same."""
     moe_kernel: Literal["triton", "transformers"] = "triton"
     """A mixture-of-experts model's experts in the engine's forwards on CUDA: unison's Triton kernels (the routing
     permutation folded into their loads, no host sync; two layouts: the common one, gate and up concatenated, no

@@ -16,7 +16,6 @@ the GPU (the CPU tests run the kernels in Triton's interpreter).
 from __future__ import annotations
 
 import functools
-import inspect
 from contextlib import ExitStack, contextmanager
 
 import torch
@@ -24,9 +23,8 @@ import triton
 import triton.language as tl
 
 from ..engine import fused_norm, fused_rope
+from ..engine.fused_linear import swiglu_mlps as fused_mlps
 
-MLP_CLASSES = {"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"}
-_MLP_SOURCE = "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"  # checked at switch time
 _ACTIVE = "_unison_fused_training"
 
 
@@ -159,18 +157,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"silu_mul: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype}")
     return _SiluMul.apply(gate, up)
-
-
-def fused_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The SwiGLU MLPs of known classes in ``model`` whose forward is transformers' (checked from its source) and
-    whose activation is SiLU."""
-    return [m for m in model.modules() if _swiglu_class(type(m))
-            and type(getattr(m, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")]
-
-
-@functools.cache
-def _swiglu_class(cls: type) -> bool:
-    return cls.__name__ in MLP_CLASSES and _MLP_SOURCE in inspect.getsource(cls.forward)
 
 
 @contextmanager

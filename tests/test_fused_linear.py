@@ -1,0 +1,75 @@
+"""The decode step's fused projections (unison.engine.fused_linear) in Triton's interpreter, against PyTorch's
+linear layers on random inputs: q/k/v in one launch, gate/up with SwiGLU in another, and the module swap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_llama, tiny_qwen3
+
+pytest.importorskip("triton")
+
+from unison.engine import fused_linear  # noqa: E402
+from unison.engine.fused_linear import fused_projections, gated, linear, project  # noqa: E402
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 37])
+@pytest.mark.parametrize("bias", [False, True])
+def test_project_equals_three_linears(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g)
+    weights = [torch.randn(n, 96, generator=g) / 10 for n in (64, 40, 24)]  # widths not multiples of the tile
+    biases = [torch.randn(n, generator=g) for n in (64, 40, 24)] if bias else None
+    outs = project(x, weights, biases)
+    for i, (out, w) in enumerate(zip(outs, weights, strict=True)):
+        ref = F.linear(x, w, biases[i] if bias else None)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(linear(x, w, biases[i] if bias else None), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [3, 20])
+def test_gated_equals_swiglu(rows):
+    """fp32 here: Triton's interpreter truncates fp32 to bf16 where the GPU rounds to nearest, so the bf16 roundings
+    are tested on the GPU (tests/test_triton_gpu.py)."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 160, generator=g)  # K = 160: a partial last K step
+    gate, up = (torch.randn(72, 160, generator=g).div(8) for _ in range(2))
+    torch.testing.assert_close(gated(x, gate, up), F.silu(F.linear(x, gate)) * F.linear(x, up), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen3])
+def test_fused_projections_swap_and_restore(make):
+    """Every layer's attention and MLP switched inside the block: the model's output as before; outside it the
+    modules' own forward again; more rows than the kernels take fall through to PyTorch's (MAX_ROWS set low, which
+    the output projections' own limit does not follow)."""
+    model = make()
+    ids = torch.randint(3, 256, (1, 9))
+    with torch.no_grad():
+        ref = model(ids).logits
+        calls = {"project": 0, "gated": 0, "linear": 0}
+        originals = fused_linear.project, fused_linear.gated, fused_linear.linear
+
+        def counted(name, fn):
+            def wrapper(*a, **kw):
+                calls[name] += 1
+                return fn(*a, **kw)
+            return wrapper
+        fused_linear.project, fused_linear.gated, fused_linear.linear = (
+            counted(name, fn) for name, fn in zip(calls, originals, strict=True))
+        try:
+            with fused_projections(model) as switched:
+                out = model(ids).logits
+                assert switched == 2 * model.config.num_hidden_layers
+                saved, fused_linear.MAX_ROWS = fused_linear.MAX_ROWS, 4
+                try:
+                    model(ids)  # 9 rows > 4: PyTorch's projections
+                finally:
+                    fused_linear.MAX_ROWS = saved
+        finally:
+            fused_linear.project, fused_linear.gated, fused_linear.linear = originals
+        assert calls == {"project": 2, "gated": 2, "linear": 0}  # the first forward only, once per layer each
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        layer = model.model.layers[0]
+        for module in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp, layer.mlp.down_proj):
+            assert "forward" not in module.__dict__

@@ -1,0 +1,120 @@
+"""The overlapped decode (EngineConfig.async_scheduling) on the CPU, through the runner and the fused sampler in
+Triton's interpreter: the same tokens, logprobs, versions and completions as synchronous steps, whatever stops,
+aborts, weight updates, multi-turn continuations and lending happen while a step is in flight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import max_logprob_diff, random_prompts, tiny_llama, tiny_qwen3
+
+from unison.engine import Engine, EngineConfig, SamplingParams
+
+pytest.importorskip("triton")
+
+STOPS = tuple(range(3, 40))  # ~15% of a tiny model's 256 tokens: most requests stop early, at different steps
+
+
+def engines(make, **kw):
+    cfg = dict(num_blocks=96, block_size=4, max_batch_tokens=64, seed=0, attention="triton", max_num_seqs=16)
+    cfg.update(kw)
+    model = make()
+    return model, [Engine(model, EngineConfig(**cfg, async_scheduling=a)) for a in (False, True)]
+
+
+def same(a, b):
+    assert (a.request_id, a.token_ids, a.finish_reason, a.weight_versions) == \
+        (b.request_id, b.token_ids, b.finish_reason, b.weight_versions)
+    assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)), default=0) < 1e-5
+
+
+def run(engine, submissions):
+    for prompt, params in submissions:
+        engine.submit(prompt, params)
+    done = []
+    while engine.num_unfinished:
+        done += engine.step()
+    return sorted(done, key=lambda c: c.request_id)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen3])
+def test_overlapped_decode_equals_synchronous(make):
+    """Groups of seeded samples that stop on tokens at different steps, and at different length limits: every
+    completion as the synchronous engine's, the decode steps launched ahead, and the guessed rows thrown away."""
+    model, (sync, overlapped) = engines(make)
+    prompts = random_prompts([5, 9, 3, 12])
+    subs = [(p, SamplingParams(max_new_tokens=6 + 4 * i, n=2, seed=10 + i, stop_token_ids=STOPS))
+            for i, p in enumerate(prompts)]
+    a, b = run(sync, subs), run(overlapped, subs)
+    for x, y in zip(a, b, strict=True):
+        same(x, y)
+    assert {c.finish_reason for c in a} == {"stop", "length"}
+    stats, base = overlapped.stats(), sync.stats()
+    assert stats["ahead_steps"] > 5 and base["ahead_steps"] == 0
+    assert stats["tokens_generated"] == base["tokens_generated"] == sum(len(c.token_ids) for c in a)
+    assert stats["tokens_computed"] > base["tokens_computed"]  # the rows of requests that had stopped
+    assert max_logprob_diff(model, b) < 1e-4  # the KV written ahead is the real tokens'
+
+
+def test_abort_update_and_lend_between_overlapped_steps():
+    """The same calls on both engines between steps: an abort, an in-place weight update with its version, a
+    lend of the KV pool; the in-flight step's token belongs to the old weights."""
+    model, engs = engines(tiny_qwen3)
+    prompts = random_prompts([4, 7, 10])
+    results = []
+    for engine in engs:
+        torch.manual_seed(0)
+        ids = [engine.submit(p, SamplingParams(max_new_tokens=20, seed=i, stop_token_ids=()))[0]
+               for i, p in enumerate(prompts)]
+        done = []
+        for _ in range(5):
+            done += engine.step()
+        engine.abort([ids[1]])
+        for _ in range(3):
+            done += engine.step()
+        with torch.no_grad():
+            model.model.norm.weight.mul_(1.5)  # an optimizer step, in place
+        engine.weights_updated(1)
+        for _ in range(3):
+            done += engine.step()
+        with engine.lend():
+            pass
+        while engine.num_unfinished:
+            done += engine.step()
+        with torch.no_grad():
+            model.model.norm.weight.div_(1.5)
+        results.append(sorted(done, key=lambda c: c.request_id))
+    for x, y in zip(*results, strict=True):
+        same(x, y)
+    aborted = next(c for c in results[1] if c.finish_reason == "abort")
+    assert len(aborted.token_ids) == 5 and set(aborted.weight_versions) == {0}
+    versions = next(c for c in results[1] if c.request_id == "g0-0").weight_versions
+    assert versions[7] == 0 and versions[8] == 1 and len(versions) == 20
+    assert engs[1].stats()["ahead_steps"] > 5
+
+
+def test_overlapped_multi_turn_continuation():
+    """Continuable samples that stop on a token are extended with a tool's turn: the position of the token computed
+    ahead is recomputed with the real next token (the same completions and logprobs as synchronous steps)."""
+    model, engs = engines(tiny_llama)
+    prompts = random_prompts([6, 8])
+    results = []
+    for engine in engs:
+        ids = [rid for i, p in enumerate(prompts) for rid in engine.submit(
+            p, SamplingParams(max_new_tokens=12, n=2, seed=i, stop_token_ids=STOPS), continuable=True)]
+        turns = []
+        for turn in range(3):
+            done = []
+            while engine.num_unfinished:
+                done += engine.step()
+            turns.append(sorted(done, key=lambda c: c.request_id))
+            if turn < 2:
+                for rid in ids:
+                    engine.extend(rid, [41 + turn, 42, 43])
+        engine.release(ids)
+        results.append(turns)
+    for turn_a, turn_b in zip(*results, strict=True):
+        for x, y in zip(turn_a, turn_b, strict=True):
+            same(x, y)
+    assert max_logprob_diff(model, results[1][-1]) < 1e-4
+    assert engs[1].stats()["ahead_steps"] > 0

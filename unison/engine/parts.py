@@ -1,0 +1,69 @@
+"""What an ``Engine`` derives from its model and config: the hybrid layers' state pool, the kernels, the eos ids,
+and a LoRA policy's merged weights around its forwards."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from ..lora import MergedAdapters
+from . import state
+from .cache import KVPool
+from .types import EngineConfig
+
+
+def snapshot_slots(config: EngineConfig) -> int:
+    """State slots for shared prompts (one per group a hybrid model's samples fork from), beside one per request."""
+    return config.max_num_seqs // 4 + 1 if config.prefix_caching else 0
+
+
+def state_pool(model: torch.nn.Module, pool: KVPool, max_num_seqs: int, device: torch.device,
+                tp: int) -> state.StatePool | None:
+    """The per-request state pool of a hybrid model's sequence layers (None for a model without them): a slot per
+    running request, the shared prompts' and a scratch slot. Refuses layers without attention and without state."""
+    layers = state.install(model)
+    covered = {s.layer_idx for s in layers}
+    bare = [i for i, kv in enumerate(pool.layers) if kv.kv_heads == 0 and i not in covered]
+    if bare:
+        raise ValueError(f"{type(model).__name__}: layers {bare} keep no KV and are no sequence layer unison's "
+                         f"engine knows (unison.engine.state); it cannot generate from this model")
+    if not layers:
+        return None
+    if tp > 1:
+        raise ValueError(f"{type(model).__name__}: hybrid models (conv / linear-attention / state-space layers) "
+                         f"run without tensor parallelism for now")
+    return state.StatePool(layers, max_num_seqs + 1, device)
+
+
+def resolve_kernels(choice: str, device: torch.device) -> str:
+    """``EngineConfig.attention`` made concrete: "triton" (the Triton attention and fused sampler) or "torch"."""
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+    return choice
+
+
+def eos_ids(model: torch.nn.Module) -> list[int]:
+    """Every eos id the model declares (generation config and config; some models end turns on several)."""
+    ids: list[int] = []
+    for cfg in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        for t in [eos] if isinstance(eos, int) else (eos or []):
+            if t not in ids:
+                ids.append(int(t))
+    return ids
+
+
+class WithMerged:
+    """The engine's forward context (``local``'s) with a LoRA policy's merged weights switched in."""
+
+    def __init__(self, local, merged: MergedAdapters):
+        self.local, self.merged = local, merged
+        self.heartbeat = getattr(local, "heartbeat", None)
+
+    @contextmanager
+    def __call__(self, train: bool = False) -> Iterator[int]:
+        with self.local(train=train) as value, self.merged.active():
+            yield value
