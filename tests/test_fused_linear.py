@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_llama, tiny_qwen3
+from conftest import max_logprob_diff, random_prompts, tiny_llama, tiny_qwen3
 
 pytest.importorskip("triton")
 
-from unison.engine import fused_linear  # noqa: E402
+from unison.engine import Engine, EngineConfig, SamplingParams, fused_linear  # noqa: E402
 from unison.engine.fused_linear import fused_projections, gated, linear, project  # noqa: E402
 
 
@@ -38,8 +38,14 @@ def test_gated_equals_swiglu(rows):
     torch.testing.assert_close(gated(x, gate, up), F.silu(F.linear(x, gate)) * F.linear(x, up), atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """The swapped-in forwards run the kernels on the CPU too (in the interpreter; the engine's default is the GPU)."""
+    monkeypatch.setattr(fused_linear, "DEVICES", {"cpu", "cuda"})
+
+
 @pytest.mark.parametrize("make", [tiny_llama, tiny_qwen3])
-def test_fused_projections_swap_and_restore(make):
+def test_fused_projections_swap_and_restore(make, on_cpu):
     """Every layer's attention and MLP switched inside the block: the model's output as before; outside it the
     modules' own forward again; more rows than the kernels take fall through to PyTorch's (MAX_ROWS set low, which
     the output projections' own limit does not follow)."""
@@ -73,3 +79,21 @@ def test_fused_projections_swap_and_restore(make):
         layer = model.model.layers[0]
         for module in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp, layer.mlp.down_proj):
             assert "forward" not in module.__dict__
+
+
+def test_engine_decodes_through_the_fused_projections(on_cpu, monkeypatch):
+    """The decode runner's graphs (eager here) run both kernels: the engine's logprobs stay teacher-forced ones."""
+    calls = {"project": 0, "gated": 0}
+    for name in calls:
+        fn = getattr(fused_linear, name)
+
+        def counted(*a, name=name, fn=fn, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        monkeypatch.setattr(fused_linear, name, counted)
+    model = tiny_qwen3()
+    engine = Engine(model, EngineConfig(num_blocks=64, block_size=4, seed=0, attention="triton", max_num_seqs=4))
+    done = engine.generate(random_prompts([5, 9]), SamplingParams(max_new_tokens=6, stop_token_ids=()))
+    assert engine.stats()["graph_steps"] >= 4
+    assert calls["project"] >= 4 * model.config.num_hidden_layers and calls["gated"] == calls["project"]
+    assert max_logprob_diff(model, done) < 1e-4

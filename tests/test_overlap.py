@@ -37,13 +37,12 @@ def run(engine, submissions):
     return sorted(done, key=lambda c: c.request_id)
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen3])
-def test_overlapped_decode_equals_synchronous(make):
+def test_overlapped_decode_equals_synchronous():
     """Groups of seeded samples that stop on tokens at different steps, and at different length limits: every
     completion as the synchronous engine's, the decode steps launched ahead, and the guessed rows thrown away."""
-    model, (sync, overlapped) = engines(make)
+    model, (sync, overlapped) = engines(tiny_llama)
     prompts = random_prompts([5, 9, 3, 12])
-    subs = [(p, SamplingParams(max_new_tokens=6 + 4 * i, n=2, seed=10 + i, stop_token_ids=STOPS))
+    subs = [(p, SamplingParams(max_new_tokens=5 + 3 * i, n=2, seed=10 + i, stop_token_ids=STOPS))
             for i, p in enumerate(prompts)]
     a, b = run(sync, subs), run(overlapped, subs)
     for x, y in zip(a, b, strict=True):
@@ -59,12 +58,12 @@ def test_overlapped_decode_equals_synchronous(make):
 def test_abort_update_and_lend_between_overlapped_steps():
     """The same calls on both engines between steps: an abort, an in-place weight update with its version, a
     lend of the KV pool; the in-flight step's token belongs to the old weights."""
-    model, engs = engines(tiny_qwen3)
+    model, engs = engines(tiny_qwen3)  # q_norm / k_norm: the other attention layout
     prompts = random_prompts([4, 7, 10])
     results = []
     for engine in engs:
         torch.manual_seed(0)
-        ids = [engine.submit(p, SamplingParams(max_new_tokens=20, seed=i, stop_token_ids=()))[0]
+        ids = [engine.submit(p, SamplingParams(max_new_tokens=12, seed=i, stop_token_ids=()))[0]
                for i, p in enumerate(prompts)]
         done = []
         for _ in range(5):
@@ -89,7 +88,7 @@ def test_abort_update_and_lend_between_overlapped_steps():
     aborted = next(c for c in results[1] if c.finish_reason == "abort")
     assert len(aborted.token_ids) == 5 and set(aborted.weight_versions) == {0}
     versions = next(c for c in results[1] if c.request_id == "g0-0").weight_versions
-    assert versions[7] == 0 and versions[8] == 1 and len(versions) == 20
+    assert versions[7] == 0 and versions[8] == 1 and len(versions) == 12
     assert engs[1].stats()["ahead_steps"] > 5
 
 
@@ -101,14 +100,14 @@ def test_overlapped_multi_turn_continuation():
     results = []
     for engine in engs:
         ids = [rid for i, p in enumerate(prompts) for rid in engine.submit(
-            p, SamplingParams(max_new_tokens=12, n=2, seed=i, stop_token_ids=STOPS), continuable=True)]
+            p, SamplingParams(max_new_tokens=8, n=2 - i, seed=i, stop_token_ids=STOPS), continuable=True)]
         turns = []
-        for turn in range(3):
+        for turn in range(2):
             done = []
             while engine.num_unfinished:
                 done += engine.step()
             turns.append(sorted(done, key=lambda c: c.request_id))
-            if turn < 2:
+            if turn < 1:
                 for rid in ids:
                     engine.extend(rid, [41 + turn, 42, 43])
         engine.release(ids)

@@ -34,6 +34,9 @@ ATTENTION_CLASSES = {"LlamaAttention", "Qwen2Attention", "Qwen3Attention", "Mist
 _QKV_SOURCE = ("self.q_proj(hidden_states)", "self.k_proj(hidden_states)", "self.v_proj(hidden_states)")
 MAX_ROWS = 128
 """Rows (decode requests) up to which the kernels run; more rows take cuBLAS's, whose tiles then pay off."""
+DEVICES = {"cuda"}
+"""Where the swapped-in forwards run the kernels: in Triton's interpreter (the CPU tests) they cost more than they
+save, so the CPU keeps PyTorch's projections unless a test adds "cpu"."""
 
 
 @triton.jit
@@ -185,7 +188,8 @@ def _plain(linears: list[torch.nn.Module]) -> bool:
 def _rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``x`` as (M, K) rows the kernels take, or None (too many rows, another dtype or device, a strided last dim)."""
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] > MAX_ROWS or rows.stride(-1) != 1 or x.dtype != weight.dtype or x.device != weight.device:
+    if (rows.shape[0] > MAX_ROWS or rows.stride(-1) != 1 or x.dtype != weight.dtype or x.device != weight.device
+            or x.device.type not in DEVICES):
         return None
     return rows
 

@@ -73,7 +73,6 @@ class TritonState:
 
 class TritonPagedBackend:
     static_decode = True  # decode_state: the CUDA-graph runner's step
-    write_kv = staticmethod(write_kv)  # PagedBatch.attend's K/V write, one kernel for both
 
     def __init__(self, block_size: int, kv_heads: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
                  block_n: int = 64, num_warps: int = 4, num_stages: int = 2):
@@ -85,6 +84,12 @@ class TritonPagedBackend:
         cuda = self.device.type == "cuda"
         self.multiprocessors = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 8
         self.varlen = cuda and torch_varlen_attn is not None  # flash varlen: bf16 and fp16 only (checked per step)
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 slots: torch.Tensor) -> bool:
+        """PagedBatch.attend's K/V write as one kernel for both, on the GPU (in Triton's interpreter a program per
+        token costs more than the two index copies it replaces)."""
+        return k.is_cuda and write_kv(k, v, k_pool, v_pool, slots)
 
     def splits_for(self, batch: int, max_context: int) -> int:
         return num_splits(batch, self.kv_heads, max_context, self.multiprocessors, self.kernel_args["block_n"])
