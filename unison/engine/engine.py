@@ -245,7 +245,9 @@ class Engine:
 
     def step(self) -> list[Completion]:
         """One scheduling step: admit, prefill a chunk, decode a token for every running request. Returns the
-        completions that finished in it."""
+        completions that finished in it; with ``config.async_scheduling`` a decode-only step is left in flight and
+        its tokens (and completions) come in with the next call, which has launched the step after it first
+        (``unison.engine.overlap``)."""
         if self.pool.released:  # (the state pool is lent with it)
             raise RuntimeError("the engine's KV memory is lent out (inside engine.lend()): step it afterwards")
         finished, self._done = self._done, []
