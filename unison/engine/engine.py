@@ -31,7 +31,7 @@ from .backend import AttentionBackend, PagedBatch, StepLayout, TorchPagedBackend
 from .cache import BlockAllocator, KVPool, kv_widths
 from .lm_head import decoder_of, lm_head_of
 from .overlap import Overlap
-from .parts import WithMerged, eos_ids, resolve_kernels, snapshot_slots, state_pool
+from .parts import WithMerged, check_request, eos_ids, resolve_kernels, snapshot_slots, state_pool
 from .sampler import apply_repetition_penalty, sample
 from .scheduler import Request, ScheduledChunk, Scheduler
 from .seeding import SEED_RANGE, request_seed, token_seed
@@ -147,7 +147,7 @@ class Engine:
         image placeholder tokens in prefill."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
-        self._validate(prompt, params)
+        check_request(prompt, params, self.vocab_size, self.max_model_len, self.config, self._stops is not None)
         if images is not None:
             family = self.vision or vlm.family_of(self.model)  # raises, naming the classes that take images
             images.check(prompt, vlm.image_token_id(self.model), family.mrope)
@@ -167,26 +167,6 @@ class Engine:
             ids.append(req.request_id)
         return ids
 
-    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
-        if not prompt:
-            raise ValueError("empty prompt: a request needs at least one prompt token")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the context of "
-                             f"{self.max_model_len} tokens")
-        if params.stop and self._stops is None:
-            raise ValueError("stop strings need the tokenizer: build the engine with Engine(..., tokenizer=...)")
-        for t in params.stop_token_ids or ():
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"stop token id {t} is outside the vocabulary [0, {self.vocab_size})")
-        tokens = min(len(prompt) + params.max_new_tokens, self.max_model_len)
-        blocks = -(-tokens // self.config.block_size)
-        if blocks > self.config.num_blocks:
-            raise ValueError(f"a request of up to {tokens} tokens needs {blocks} KV blocks but the pool has "
-                             f"{self.config.num_blocks}: raise EngineConfig.num_blocks or lower max_new_tokens")
-
     def extend(self, request_id: str, token_ids: list[int], params: SamplingParams | None = None) -> str:
         """Continue a finished continuable request: append ``token_ids`` (a tool's or environment's turn) and
         generate the next turn on the request's own KV, so the conversation so far is not prefilled again (the
@@ -203,7 +183,7 @@ class Engine:
             raise ValueError(f"extend continues one request: params.n must be 1, got {params.n}")
         params = params or req.params
         context = req.prompt + req.output + [int(t) for t in token_ids]
-        self._validate(context, params)
+        check_request(context, params, self.vocab_size, self.max_model_len, self.config, self._stops is not None)
         self.scheduler.parked.pop(request_id)
         req.seed_offset += len(req.output)
         req.prompt, req.output, req.logprobs, req.versions = context, [], [], []

@@ -1,5 +1,5 @@
 """What an ``Engine`` derives from its model and config: the hybrid layers' state pool, the kernels, the eos ids,
-and a LoRA policy's merged weights around its forwards."""
+a LoRA policy's merged weights around its forwards; and the checks every request passes before it is queued."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from ..lora import MergedAdapters
 from . import state
 from .cache import KVPool
-from .types import EngineConfig
+from .types import EngineConfig, SamplingParams
 
 
 def snapshot_slots(config: EngineConfig) -> int:
@@ -67,3 +67,26 @@ class WithMerged:
     def __call__(self, train: bool = False) -> Iterator[int]:
         with self.local(train=train) as value, self.merged.active():
             yield value
+
+
+def check_request(prompt: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                  config: EngineConfig, has_tokenizer: bool) -> None:
+    """Raise ValueError, naming what is wrong, for a request the engine cannot run: an empty prompt, token ids
+    outside the vocabulary, no room left in the context, stop strings without a tokenizer, more KV than the pool."""
+    if not prompt:
+        raise ValueError("empty prompt: a request needs at least one prompt token")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if len(prompt) >= max_model_len:
+        raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the context of {max_model_len} tokens")
+    if params.stop and not has_tokenizer:
+        raise ValueError("stop strings need the tokenizer: build the engine with Engine(..., tokenizer=...)")
+    for t in params.stop_token_ids or ():
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"stop token id {t} is outside the vocabulary [0, {vocab_size})")
+    tokens = min(len(prompt) + params.max_new_tokens, max_model_len)
+    blocks = -(-tokens // config.block_size)
+    if blocks > config.num_blocks:
+        raise ValueError(f"a request of up to {tokens} tokens needs {blocks} KV blocks but the pool has "
+                         f"{config.num_blocks}: raise EngineConfig.num_blocks or lower max_new_tokens")
