@@ -280,8 +280,7 @@ class Engine:
 
     def _fused_rows(self, reqs: list[Request]) -> bool:
         """Whether the fused sampler samples every one of ``reqs`` from the logits alone."""
-        return all(r.params.top_k == 0 and r.params.top_p == 1 and r.params.min_p == 0
-                   and r.params.repetition_penalty == 1 for r in reqs)
+        return all(_uncut(r.params) and r.params.repetition_penalty == 1 for r in reqs)
 
     def _decode_ahead(self) -> bool:
         """Launch the decode step after the newest in-flight one, on its requests that may go on, with its sampled
@@ -411,8 +410,7 @@ class Engine:
                                               [reqs[i].params.repetition_penalty for i in penalised])
         temperature = [r.params.temperature for r in reqs]
         # The fused sampler has no top-k/top-p/min-p cut: a batch with any of them samples here in PyTorch.
-        if self._fused_sample is not None and all(r.params.top_k == 0 and r.params.top_p == 1 and r.params.min_p == 0
-                                                  for r in reqs):
+        if self._fused_sample is not None and all(_uncut(r.params) for r in reqs):
             drawn = self._seed_rng.integers(0, SEED_RANGE, len(reqs)).tolist()
             index = index or [len(r.output) for r in reqs]
             seeds = [d if r.seed is None else token_seed(r.seed, r.seed_offset + i)
@@ -506,3 +504,8 @@ class Engine:
         stop_string = self._stops.find(req.output, req.params.stop) if reason == "stop" and req.params.stop else None
         return Completion(req.request_id, req.group_id, list(req.prompt), list(req.output), list(req.logprobs),
                           reason, list(req.versions), stop_string)
+
+
+def _uncut(params: SamplingParams) -> bool:
+    """No top-k, top-p or min-p cut: the fused sampler's rows."""
+    return params.top_k == 0 and params.top_p == 1 and params.min_p == 0
