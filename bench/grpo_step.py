@@ -149,7 +149,8 @@ def run_unison(checkpoint: str, prompts: list[str], new: int, steps: int, out_di
             raise
         save_error = f"final checkpoint not saved: {str(e)[-200:]}"
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f][1 if steps > 1 else 0:]  # the first step compiles and captures
+        every = [json.loads(line) for line in f]
+    rows = every[1 if steps > 1 else 0:]  # the first step compiles and captures
 
     def mean(key):
         return statistics.mean(r[key] for r in rows)
@@ -160,7 +161,8 @@ def run_unison(checkpoint: str, prompts: list[str], new: int, steps: int, out_di
             "peak_allocated_gib": max(r.get("memory/peak_gib", 0.0) for r in rows),
             "mismatch_logprob_diff_mean": mean("mismatch/logprob_diff_mean"),
             "mismatch_logprob_diff_max": max(r["mismatch/logprob_diff_max"] for r in rows),
-            "step_s": [r["time/step_s"] for r in rows], "save_error": save_error}
+            "step_s": [r["time/step_s"] for r in rows], "save_error": save_error,
+            "every_step": [{k: r.get(f"time/{k}") for k in ("step_s", "rollout_s", "train_s")} for r in every]}
 
 
 def run_trl_here(checkpoint: str, prompts: list[str], new: int, steps: int, out_dir: str, overrides) -> dict:

@@ -223,3 +223,9 @@ def test_a_resumed_run_anchors_its_servers_at_the_resumed_step(saved_run, model_
     assert [r["step"] for r in records] == [3, 4] and all(r["sync/anchors"] == 0 for r in records)
     assert server.receiver.version == 4 and server.receiver.counts["anchors"] == 1
     assert server.receiver.counts["rejected"] == 0
+
+
+def test_save_final_false_writes_no_final_checkpoint_and_keeps_save_every(model_dir, tmp_path):
+    out = tmp_path / "run"
+    train(run_cfg(model_dir, out, "--save_every=2", "--save_final=false"), task())  # 3 steps
+    assert steps_of(out) == [1, 2, 3] and (out / "checkpoint-2").is_dir() and not (out / "checkpoint").exists()

@@ -1,12 +1,14 @@
-"""The engine's mixture-of-experts experts on unison's Triton kernels (``triton_moe``), training on transformers'.
+"""Mixture-of-experts experts on unison's Triton kernels (``triton_moe``): which modules, and the switch to them.
 
-transformers dispatches each experts module (``@use_experts_implementation``) to the function its config names;
-the default ``grouped_mm`` is differentiable, and the trainer keeps it. ``EngineConfig.moe_kernel="triton"`` runs
+transformers dispatches each experts module (``@use_experts_implementation``) to the function its config names
+(``grouped_mm`` by default, differentiable). ``EngineConfig.moe_kernel="triton"`` runs
 the engine's forwards (prefill chunks and the captured decode step) inside ``experts_kernels(modules)``, which
 points each supported experts module's ``forward`` at ``triton_moe.fused_experts`` for the ``with`` block only,
 as ``fused_norms`` does for RMSNorm: a training forward never sees it, and a CUDA graph captured inside it replays
 the kernels. A module falls back to its own dispatch (the model's experts implementation) on the CPU and whenever
-autograd would need the result, so the CPU engine stays exact against eager.
+autograd would need the result, so the CPU engine stays exact against eager. The training forward keeps the
+model's own path: ``unison.train.fused_experts`` holds the kernels' backward, exact, but slower than grouped_mm's
+at training shapes on the H200 (bench/results/h200/moe_train), so nothing enters it by default.
 
 Supported, exactly two layouts of transformers 5.24: the one most MoE classes share (Qwen2-MoE, Qwen3-MoE, Mixtral,
 GLM4-MoE, DeepSeek-V2/V3 and the others with the default flags): gate and up concatenated in ``gate_up_proj``
@@ -89,9 +91,12 @@ def _weights_unsupported(module: torch.nn.Module, name: str, transposed: bool) -
     return None
 
 
+DEVICES = {"cuda"}  # where the switched modules take the kernels (the CPU tests add "cpu": Triton's interpreter)
+
+
 def kernels_apply(module: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
     """This call can take the kernels: CUDA, and nothing that autograd would have to differentiate."""
-    return hidden_states.is_cuda and not needs_grad(module, hidden_states)
+    return hidden_states.device.type in DEVICES and not needs_grad(module, hidden_states)
 
 
 def needs_grad(module: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
@@ -100,17 +105,24 @@ def needs_grad(module: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
         p.requires_grad for p in module.parameters(recurse=False)))
 
 
+def module_layout(module: torch.nn.Module):
+    """(``triton_moe.ExpertsLayout``, gate_up bias, down bias) of an experts module one ``unsupported`` passes."""
+    from .triton_moe import ExpertsLayout
+    if not module.has_bias:  # the default layout (``unsupported`` admits these two only)
+        return ExpertsLayout(), None, None
+    layout = ExpertsLayout(transposed=True, interleaved=True, gate="gptoss", alpha=float(module.alpha),
+                           limit=float(module.limit))
+    return layout, module.gate_up_proj_bias, module.down_proj_bias
+
+
 def kernels_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor, sizes=None) -> torch.Tensor:
     """``module`` (one ``unsupported`` passes) on the kernels: ``triton_moe.fused_experts`` in its layout, with
     ``sizes`` (``triton_moe.BlockSizes``) or the shape's default blocks."""
-    from .triton_moe import ExpertsLayout, fused_experts
-    if not module.has_bias:  # the default layout (``unsupported`` admits these two only)
-        return fused_experts(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj, sizes)
-    layout = ExpertsLayout(transposed=True, interleaved=True, gate="gptoss", alpha=float(module.alpha),
-                           limit=float(module.limit))
+    from .triton_moe import fused_experts
+    layout, gate_up_bias, down_bias = module_layout(module)
     return fused_experts(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj, sizes,
-                         gate_up_bias=module.gate_up_proj_bias, down_bias=module.down_proj_bias, layout=layout)
+                         gate_up_bias=gate_up_bias, down_bias=down_bias, layout=layout)
 
 
 def unison_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -131,13 +143,18 @@ def kernel_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 @contextmanager
-def experts_kernels(modules: list[torch.nn.Module]) -> Iterator[int]:
+def experts_kernels(modules: list[torch.nn.Module], forward=None) -> Iterator[int]:
     """Within the block, each of ``modules`` (from ``kernel_modules``) runs the kernels where they apply and its
-    own forward (the model's experts implementation) elsewhere. Yields how many modules it switched."""
+    own forward (the model's experts implementation) elsewhere. ``forward`` (module, hidden_states, top_k_index,
+    top_k_weights) replaces ``kernels_forward``: the trainer's differentiable one
+    (``unison.train.fused_experts.module_forward``) applies on CUDA whether or not autograd records the call.
+    Blocks nest: a module already switched is left as it is. Yields how many modules it switched."""
     patched = []
     for module in modules:
+        if getattr(module.__dict__.get("forward"), _SWITCHED, False):
+            continue
         patched.append((module, module.__dict__.get("forward")))
-        module.forward = _scoped_forward(module, module.forward)
+        module.forward = _scoped_forward(module, module.forward, forward)
     try:
         yield len(patched)
     finally:
@@ -148,12 +165,19 @@ def experts_kernels(modules: list[torch.nn.Module]) -> Iterator[int]:
                 module.forward = own
 
 
-def _scoped_forward(module: torch.nn.Module, original):
+_SWITCHED = "_unison_experts_kernels"
+
+
+def _scoped_forward(module: torch.nn.Module, original, kernels=None):
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args,
                 **kwargs) -> torch.Tensor:
-        if not args and not kwargs and kernels_apply(module, hidden_states):
-            return kernels_forward(module, hidden_states, top_k_index, top_k_weights)
+        if not args and not kwargs:
+            if kernels is None and kernels_apply(module, hidden_states):
+                return kernels_forward(module, hidden_states, top_k_index, top_k_weights)
+            if kernels is not None and hidden_states.device.type in DEVICES:
+                return kernels(module, hidden_states, top_k_index, top_k_weights)
         return original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)  # a call the kernels do not know
+    setattr(forward, _SWITCHED, True)
     return forward
 
 

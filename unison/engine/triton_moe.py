@@ -177,12 +177,14 @@ def _gated(gate, up, alpha, limit, dtype: tl.constexpr, GATE: tl.constexpr, UPCA
 
 
 @triton.jit
-def _gate_up_kernel(X, W, Bias, Out, Perm, Bounds, FirstBlock, BlockExpert,
+def _gate_up_kernel(X, W, Bias, Out, Pre, Perm, Bounds, FirstBlock, BlockExpert,
                     stride_xt, stride_we, stride_wn, stride_wk, stride_be, stride_os,
                     num_experts, top_k, K, N, alpha, limit,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
                     PRECISION: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    GATE: tl.constexpr):
+                    GATE: tl.constexpr, STORE_PRE: tl.constexpr):
+    """Out (S, N): the gated product of each pair; with STORE_PRE, Pre (S, 2N) its gate and up values too (the
+    rounded GEMM outputs plus bias, in the weights' column order), which the backward differentiates."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(BlockExpert + pid_m)
     if e >= num_experts:
@@ -204,6 +206,9 @@ def _gate_up_kernel(X, W, Bias, Out, Perm, Bounds, FirstBlock, BlockExpert,
         if HAS_BIAS:
             bias = tl.load(bias_base + col, mask=col_ok, other=0.0).to(tl.float32)
             both = _round(both + bias[None, :], dtype, UPCAST).to(tl.float32)
+        if STORE_PRE:
+            tl.store(Pre + pair.to(tl.int64)[:, None] * (2 * N) + col[None, :], _round(both, dtype, UPCAST),
+                     mask=live[:, None] & col_ok[None, :])
         gate, up = tl.split(tl.reshape(both, (BLOCK_M, BLOCK_N, 2)))
     else:  # gate rows n, up rows N + n
         acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -226,6 +231,10 @@ def _gate_up_kernel(X, W, Bias, Out, Perm, Bounds, FirstBlock, BlockExpert,
             bias_up = tl.load(bias_base + N + n, mask=n_ok, other=0.0).to(tl.float32)
             gate = _round(gate + bias_gate[None, :], dtype, UPCAST).to(tl.float32)
             up = _round(up + bias_up[None, :], dtype, UPCAST).to(tl.float32)
+        if STORE_PRE:
+            pre = Pre + pair.to(tl.int64)[:, None] * (2 * N) + n[None, :]
+            tl.store(pre, _round(gate, dtype, UPCAST), mask=live[:, None] & n_ok[None, :])
+            tl.store(pre + N, _round(up, dtype, UPCAST), mask=live[:, None] & n_ok[None, :])
     hidden = _gated(gate, up, alpha, limit, dtype, GATE, UPCAST)
     tl.store(Out + pair.to(tl.int64)[:, None] * stride_os + n[None, :], hidden, mask=live[:, None] & n_ok[None, :])
 
@@ -324,7 +333,28 @@ def fused_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_
     hidden_states: (T, H); top_k_index: (T, K) int; top_k_weights: (T, K); gate_up_proj: (E, 2I, H) (gate rows
     first), down_proj: (E, H, I), transformers' default layout, or as ``layout`` says ((E, H, 2I) and (E, I, H)
     transposed; gate and up interleaved), read in place; gate_up_bias: (E, 2I) and down_bias: (E, H) or None.
-    Returns (T, H) in the hidden states' dtype."""
+    Returns (T, H) in the hidden states' dtype. Not differentiable (``unison.train.fused_experts`` is)."""
+    return experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, sizes,
+                           gate_up_bias=gate_up_bias, down_bias=down_bias, layout=layout).out
+
+
+@dataclass(frozen=True)
+class Forward:
+    """``experts_forward``'s result: the output and, with ``save``, what the backward reads."""
+
+    out: torch.Tensor  # (T, H) in the hidden states' dtype
+    x: torch.Tensor  # (T, H) the hidden states in the weights' dtype, contiguous rows
+    act: torch.Tensor  # (S, I) each pair's gated product, the down projection's input
+    pre: torch.Tensor | None  # (S, 2I) each pair's gate and up values in the weights' column order (``save``)
+    routing: Routing | None
+    sizes: BlockSizes | None
+
+
+def experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                    gate_up_proj: torch.Tensor, down_proj: torch.Tensor, sizes: BlockSizes | None = None, *,
+                    gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                    layout: ExpertsLayout = ExpertsLayout(), save: bool = False) -> Forward:
+    """``fused_experts``, keeping its intermediates; ``save`` also writes each pair's gate and up values."""
     if layout.gate not in GATES:
         raise ValueError(f"fused_experts: gate {layout.gate!r} is not one of {GATES}")
     tokens, top_k = top_k_index.shape
@@ -339,27 +369,39 @@ def fused_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_
     if x.stride(-1) != 1:
         x = x.contiguous()
     pairs = tokens * top_k
+    act = torch.empty(pairs, inter, dtype=dtype, device=x.device)
+    pre = torch.empty(pairs, 2 * inter, dtype=dtype, device=x.device) if save else None
     if pairs == 0:
-        return hidden_states.new_zeros(tokens, hidden)
+        return Forward(hidden_states.new_zeros(tokens, hidden), x, act, pre, None, None)
     sizes = sizes or block_sizes(pairs, experts, dtype)
     routing = align(top_k_index, experts, sizes.block_m)
     weights = top_k_weights.reshape(-1)
     nb = routing.block_expert.numel()
-    precision = "ieee" if dtype == torch.float32 else None  # fp32 weights: exact fp32 products, never TF32
-    launch = dict(BLOCK_M=sizes.block_m, BLOCK_N=sizes.block_n, BLOCK_K=sizes.block_k, UPCAST=_INTERPRET,
-                  PRECISION=precision, num_warps=sizes.num_warps, num_stages=sizes.num_stages)
+    launch = launch_args(sizes, dtype)
     meta = (routing.perm, routing.bounds, routing.first_block, routing.block_expert)
-    limit = torch.tensor(layout.limit, dtype=dtype).item()  # torch clamps a tensor at the limit in its dtype
-    act = torch.empty(pairs, inter, dtype=dtype, device=x.device)
     _gate_up_kernel[(nb, triton.cdiv(inter, sizes.block_n))](
-        x, gate_up_proj, gate_up_bias, act, *meta, x.stride(0), *_strides(gate_up_proj, layout.transposed),
-        stride_gb, act.stride(0), experts, top_k, hidden, inter, layout.alpha, limit,
-        INTERLEAVED=layout.interleaved, HAS_BIAS=gate_up_has_bias, GATE=layout.gate, **launch)
+        x, gate_up_proj, gate_up_bias, act, act if pre is None else pre, *meta, x.stride(0),
+        *_strides(gate_up_proj, layout.transposed), stride_gb, act.stride(0), experts, top_k, hidden, inter,
+        layout.alpha, rounded_limit(layout, dtype), INTERLEAVED=layout.interleaved, HAS_BIAS=gate_up_has_bias,
+        GATE=layout.gate, STORE_PRE=save, **launch)
     per_pair = torch.empty(pairs, hidden, dtype=torch.promote_types(dtype, weights.dtype), device=x.device)
     _down_kernel[(nb, triton.cdiv(hidden, sizes.block_n))](
         act, down_proj, down_bias, weights, per_pair, *meta, act.stride(0), *_strides(down_proj, layout.transposed),
         stride_db, per_pair.stride(0), experts, hidden, inter, HAS_BIAS=down_has_bias, **launch)
-    return per_pair.view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+    out = per_pair.view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+    return Forward(out, x, act, pre, routing, sizes)
+
+
+def launch_args(sizes: BlockSizes, dtype: torch.dtype) -> dict:
+    """The kernels' shared launch keywords; fp32 weights take exact fp32 products, never TF32."""
+    return dict(BLOCK_M=sizes.block_m, BLOCK_N=sizes.block_n, BLOCK_K=sizes.block_k, UPCAST=_INTERPRET,
+                PRECISION="ieee" if dtype == torch.float32 else None, num_warps=sizes.num_warps,
+                num_stages=sizes.num_stages)
+
+
+def rounded_limit(layout: ExpertsLayout, dtype: torch.dtype) -> float:
+    """GptOss's clamp limit in the weights' dtype: torch clamps a tensor at the limit rounded to it."""
+    return torch.tensor(layout.limit, dtype=dtype).item()
 
 
 def gate_reference(gate_up: torch.Tensor, layout: ExpertsLayout) -> torch.Tensor:

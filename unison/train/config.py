@@ -66,6 +66,9 @@ class TrainConfig:
     """Seeds the data order, the sampling (each group's seed derives from it) and the initial torch state."""
     save_every: int = 0
     """Also save a checkpoint every this many steps (0: only at the end)."""
+    save_final: bool = True
+    """Save the final ``checkpoint`` after the last step; false: none (a benchmark or a dry run: ``save_every``'s
+    are still written)."""
     save_total_limit: int = 0
     """Keep only the newest this many ``checkpoint-N`` folders (TRL's); the final ``checkpoint`` is always kept. 0:
     keep all."""

@@ -93,8 +93,8 @@ def _timing_and_memory(run: Run, t0: float, t1: float, t2: float, train_tokens: 
 
 
 def _finish(run: Run) -> None:
-    """After the last step: close the sync channel, check that the ranks still agree, save the final checkpoint,
-    leave the process group, plot the metrics."""
+    """After the last step: close the sync channel, check that the ranks still agree, save the final checkpoint
+    (``save_final``), leave the process group, plot the metrics."""
     cfg, topology = run.cfg, run.topology
     if run.publisher is not None:
         run.publisher.close()
@@ -102,7 +102,8 @@ def _finish(run: Run) -> None:
         check_replicas_agree(run.model, topology.dp)
     if topology.tp is not None:
         replicated_agree(run.model, topology.tp)
-    _save(run, os.path.join(cfg.output_dir, "checkpoint"), cfg.max_steps)
+    if cfg.save_final:
+        _save(run, os.path.join(cfg.output_dir, "checkpoint"), cfg.max_steps)
     if topology.scaled_out:
         if getattr(run.engine, "runner", None) is not None:
             run.engine.runner.reset()  # the decode graphs hold the communicators' kernels: freed before them
