@@ -50,8 +50,9 @@ def test_training_kernels_gradients_on_gpu(family, tokens):
     for name, want in truth.items():
         scale = want.abs().max().item()
         assert (exact[name] - want).abs().max().item() <= 1e-5 * scale, name
-    fp32.limit = layer(family, torch.float32).limit
-    truth = grads(lambda x, w: fp32(x, idx, w), fp32, x, w, upstream)
+    if family == "gpt_oss":  # the bf16 comparison with the clamps at work
+        fp32.limit = layer(family, torch.float32).limit
+        truth = grads(lambda x, w: fp32(x, idx, w), fp32, x, w, upstream)
     bf16 = layer(family, torch.bfloat16)
     xb, wb = x.bfloat16(), w.bfloat16()
     theirs = grads(lambda x, w: grouped_mm_experts_forward(bf16, x, idx, w), bf16, xb, wb, upstream)
