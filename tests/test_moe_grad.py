@@ -107,6 +107,17 @@ def moe_models():
     return {"qwen3_moe": qwen, "gpt_oss": gpt}
 
 
+def packed_backward(model, row, upstream, kernels: bool):
+    """The packed training forward and backward with activation checkpointing, the experts on the differentiable
+    kernels or on the model's own path: (logprobs, the parameters' gradients)."""
+    model.zero_grad(set_to_none=True)
+    with checkpointed_layers(model, True), fused_experts.experts_training(model) if kernels else \
+            moe.experts_kernels([]):
+        logp, _ = policy_logprobs(model, row, temperature=0.7, chunk_size=8, kernels=False)
+        (logp * upstream).sum().backward()
+    return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_packed_training_through_the_experts_kernels_equals_transformers(family, monkeypatch):
     model = moe_models()[family]
@@ -114,12 +125,7 @@ def test_packed_training_through_the_experts_kernels_equals_transformers(family,
     upstream = torch.linspace(-1.0, 1.0, row.num_loss_tokens)
 
     def run(kernels: bool):
-        model.zero_grad(set_to_none=True)
-        with checkpointed_layers(model, True), fused_experts.experts_training(model) if kernels else \
-                moe.experts_kernels([]):
-            logp, _ = policy_logprobs(model, row, temperature=0.7, chunk_size=8, kernels=False)
-            (logp * upstream).sum().backward()
-        return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return packed_backward(model, row, upstream, kernels)
 
     logp, ref_grads = run(kernels=False)
     monkeypatch.setattr(moe, "DEVICES", {"cuda", "cpu"})

@@ -66,21 +66,14 @@ def test_training_kernels_gradients_on_gpu(family, tokens):
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_packed_training_backward_through_the_kernels_on_gpu(family):
     from test_logprobs import packed_row
-
-    from unison.train.logprobs import policy_logprobs
-    from unison.train.step import checkpointed_layers
+    from test_moe_grad import packed_backward
 
     model = moe_model(family)
     row = packed_row(model.config.vocab_size).to("cuda")
     upstream = torch.linspace(-1.0, 1.0, row.num_loss_tokens, device="cuda")
 
     def run(kernels):
-        model.zero_grad(set_to_none=True)
-        with checkpointed_layers(model, True), fused_experts.experts_training(model) if kernels else \
-                moe.experts_kernels([]):
-            logp, _ = policy_logprobs(model, row, temperature=0.7, chunk_size=8, kernels=False)
-            (logp * upstream).sum().backward()
-        return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return packed_backward(model, row, upstream, kernels)
 
     logp, want = run(False)
     got_logp, got = run(True)
