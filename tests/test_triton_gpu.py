@@ -241,3 +241,41 @@ def test_fused_projections_on_gpu_at_the_bf16_floor(rows, bias):
     close = (out.float() - ref.float()).abs() <= 2 * 2**-8 * ref.float().abs() + 1e-3  # two bf16 ulps
     assert close.float().mean() > 0.999, close.float().mean()
     assert (out.float() - ref.float()).abs().mean() < 0.02 * ref.float().abs().mean()
+
+
+def test_batch_sizes_and_contexts_reuse_the_compiled_kernels():
+    """The decode kernel at any block-table width, batch or context of a split count it ran before, and the sampler's
+    combine kernel at any batch size, run the kernels compiled already (a variant per width or batch size made a
+    run's second rollout recompile, ~0.4 s a kernel). The sampler's part kernel has one variant per power-of-two
+    tile count (a constant: faster than a run-time loop)."""
+    import triton
+
+    compiled = []
+
+    def hook(*args, **kwargs):
+        compiled.append(getattr(kwargs.get("fn"), "name", "?"))
+        return False
+
+    sampler, kv_heads, bs = FusedSampler(torch.device("cuda")), 8, 16
+    k = torch.randn(64 * 40 * bs, kv_heads, 128, device="cuda", dtype=torch.bfloat16)
+
+    def decode(batch, context, splits, width):
+        q = torch.randn(batch, 16, 128, device="cuda", dtype=torch.bfloat16)
+        tables = torch.randperm(k.shape[0] // bs, device="cuda")[:batch * width].view(batch, width).int()
+        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        return paged_decode(q, k, k, tables, lens, bs, 0.1, splits=splits)
+
+    for splits in (1, 4, 8):
+        decode(64, 300, splits, 19)
+    sampler(torch.randn(64, 151936, device="cuda"), [1.0] * 64, list(range(64)))
+    previous, triton.knobs.runtime.jit_cache_hook = triton.knobs.runtime.jit_cache_hook, hook
+    try:
+        for rows in (1, 7, 15, 33, 300):
+            sampler(torch.randn(rows, 151936, device="cuda"), [1.0] * rows, list(range(rows)))
+        for batch, context, splits, width in ((8, 600, 8, 38), (3, 250, 4, 16), (64, 100, 1, 7), (1, 640, 8, 40),
+                                              (17, 33, 1, 3)):
+            decode(batch, context, splits, width)
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous
+    assert set(compiled) <= {"_sample_part_kernel"}, compiled

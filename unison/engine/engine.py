@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -99,8 +99,11 @@ class Engine:
         kernels = resolve_kernels(config.attention, self.device)
         self.backend = backend or self._default_backend(kernels, kv_heads)
         self.runner = None
+        self._fused = nullcontext  # the forwards outside the graphs: the graphs' fused kernels too, on the GPU
         if config.cuda_graphs and self.backend.static_decode:
-            from .graphs import DecodeRunner
+            from .graphs import DecodeRunner, fused_kernels
+            if self.device.type == "cuda":  # (in Triton's interpreter they cost more than PyTorch's ops)
+                self._fused = lambda: fused_kernels(self.decoder)
             self.runner = DecodeRunner(self.decoder, self.lm_head, self.pool, self.backend,
                                        config.max_num_seqs, self.max_model_len, scratch_block=config.num_blocks,
                                        local_forward=self.local_forward, states=self.states)
@@ -468,7 +471,7 @@ class Engine:
             self.states, [c.request.state_slot for c in chunks], [c.start for c in chunks],
             [c.length for c in chunks], dev)
         batch = PagedBatch.for_layout(self.pool, self.backend, layout, states)
-        with torch.inference_mode(), self.local_forward():
+        with torch.inference_mode(), self._fused(), self.local_forward():
             ids = torch.tensor([tokens], device=dev)
             if self.vision is not None and any(c.request.images is not None for c in chunks):
                 inputs = language_inputs(self.decoder, ids, [

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from itertools import chain
 
 import numpy as np
@@ -37,6 +37,14 @@ from .fused_norm import fused_norms
 from .fused_rope import fused_rope
 from .lm_head import LMHead
 from .triton_backend import TritonPagedBackend
+
+
+@contextmanager
+def fused_kernels(decoder: torch.nn.Module):
+    """The engine's forwards run inside this: every RMSNorm one kernel, RoPE of q and k one, and (on the GPU, up to
+    ``fused_linear.MAX_ROWS`` rows) the q/k/v and gate/up projections one each."""
+    with fused_norms(decoder), fused_rope(decoder), fused_projections(decoder):
+        yield
 
 
 def batch_ladder(max_batch: int) -> list[int]:
@@ -143,8 +151,7 @@ class DecodeRunner:
         ids, positions = self.meta[0:1, :b], self.meta[1:2, :b]
 
         def forward() -> torch.Tensor:
-            with (torch.inference_mode(), fused_norms(self.decoder), fused_rope(self.decoder),
-                  fused_projections(self.decoder), self.local_forward()):
+            with torch.inference_mode(), fused_kernels(self.decoder), self.local_forward():
                 if states is not None:
                     torch.eq(positions[0], 0, out=states.fresh)
                 hidden = self.decoder(input_ids=ids, position_ids=positions, attention_mask=NO_MASK, paged=batch,

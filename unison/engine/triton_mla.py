@@ -47,7 +47,7 @@ def _mla_tile(q_c, q_r, KV, BT, bt_base, n0, end, m, denom, acc, scale_log2, str
     return m_new, denom, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # as the generic kernel's: any table width, one variant
 def _mla_decode_kernel(Q, KV, BT, CTX, Out, PO, PML, scale_log2, stride_qn, stride_qh, stride_s, stride_bt,
                        stride_on, stride_oh, HEADS: tl.constexpr, BLOCK_H: tl.constexpr, R: tl.constexpr,
                        BLOCK_R: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr, PAGE: tl.constexpr,

@@ -100,7 +100,7 @@ def align_reference(top_k_index: torch.Tensor, num_experts: int, block_m: int) -
     return Routing(perm, bounds, block_end - blocks, block_expert, block_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pairs", "num_blocks"])  # they follow the step's token count: one variant
 def _routing_kernel(Ids, Bounds, FirstBlock, BlockExpert, pairs, num_experts, num_blocks,
                     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr):
     """One program: each expert's pair count, its first sorted position, its first block; each block's expert."""

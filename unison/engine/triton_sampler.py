@@ -17,7 +17,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The part count changes with the batch size: never specialised on. TILES stays a constant (a handful of values, each
+# compiled on first use): as a run-time loop bound it made the kernel ~20% slower at 256 rows (64 tiles a part).
+@triton.jit(do_not_specialize=["parts"])
 def _sample_part_kernel(Logits, stride_row, Params, Parts, Best, parts, VOCAB: tl.constexpr, BLOCK_V: tl.constexpr,
                         TILES: tl.constexpr):
     """One (row, part of TILES x BLOCK_V logits): the part's max, sum of exp(x - max), best perturbed value and its
@@ -63,7 +65,7 @@ def _sample_part_kernel(Logits, stride_row, Params, Parts, Best, parts, VOCAB: t
     tl.store(Best + row * parts + part, tl.min(tl.where(best == top, best_idx, VOCAB), 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["parts"])
 def _sample_combine_kernel(Logits, stride_row, Params, Parts, Best, Tokens, Logprobs, parts,
                            BLOCK_P: tl.constexpr):
     """One row: the parts' log-sum-exp, and the best token (the lowest index among ties, like argmax)."""
@@ -135,7 +137,7 @@ class FusedSampler:
         _sample_part_kernel[(rows, parts)](logits, logits.stride(0), params, stats, best, parts, VOCAB=vocab,
                                            BLOCK_V=self.block_v, TILES=per_part, num_warps=8)
         _sample_combine_kernel[(rows,)](logits, logits.stride(0), params, stats, best, tokens, logprobs, parts,
-                                        BLOCK_P=triton.next_power_of_2(parts), num_warps=1)
+                                        BLOCK_P=triton.next_power_of_2(tiles), num_warps=1)
         return tokens, logprobs
 
 
