@@ -204,3 +204,19 @@ def test_data_parallel_replicas_of_tensor_parallel_groups(qwen3_dir, tmp_path):
     for t in range(2):
         held = [{n for n, v in states[r].items() if v is not None} for r in (t, t + 2)]
         assert held[0] and held[1] and not held[0] & held[1] and held[0] | held[1] == set(states[t])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_plans_unison_cannot_shard_are_refused_by_name(family):
+    """MoE experts, MLA's fused projections and vocabulary-sharded embeddings are not sharded by unison's tensor
+    parallelism: parallelize refuses the model before touching a device mesh, naming the styles and what to use."""
+    import transformers
+
+    from unison.dist.tensor_parallel import parallelize
+
+    config = {"qwen3_moe": "Qwen3MoeConfig", "deepseek_v3": "DeepseekV3Config", "gpt_oss": "GptOssConfig"}[family]
+    cfg = getattr(transformers, config)(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match=rf"{family}: its tensor-parallel plan .*dist.tp=1"):
+        parallelize(model, mesh=None)

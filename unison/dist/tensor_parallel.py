@@ -62,8 +62,11 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
         raise ValueError(f"{model.config.model_type}: transformers has no tensor-parallel plan for this model")
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     unknown = {style for style in base.values() if style not in styles and style != PARTIAL_GRAD}
-    if unknown:
-        raise ValueError(f"{model.config.model_type}: tensor-parallel styles {sorted(unknown)} are not supported")
+    if unknown:  # MoE experts ("moe_tp_experts"), fused projections ("packed_colwise"), MLA's, vocabulary-sharded ones
+        raise ValueError(f"{model.config.model_type}: its tensor-parallel plan has styles unison does not shard "
+                         f"({', '.join(sorted(unknown))}), so dist.tp > 1 is refused for it; train it with data "
+                         "parallelism (dist.tp=1) instead, with optim.placement=host where one GPU lacks the memory "
+                         "for its fp32 optimizer state")
     plan = {}
     for name, module in model.named_modules():
         for pattern, style in base.items():
