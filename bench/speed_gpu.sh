@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 23 on the GPU machine (carry .whl: transformers 5.24; ../shared/tools/gpu-wheels.sh):
+# Issue 23 on the GPU machine (carry .whl: transformers 5.24; ../shared/tools/gpu-wheels.sh; the TRL runs also take
+# trl==1.16.0 accelerate==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0, which the image lacks):
 #   bash bench/speed_gpu.sh profile   # engine_profile (0.6B at 256 and 64) and train_profile (0.6B, 1.7B)
 #   bash bench/speed_gpu.sh engine    # bench/engine.py: 0.6B at 256 and 64 (unison alone)
 #   bash bench/speed_gpu.sh grpo      # bench/grpo_step.py --systems unison, both shapes: the defaults, then each of
@@ -7,6 +8,8 @@
 #   bash bench/speed_gpu.sh decode    # bench/decode_linear.py, then bench/engine.py at 0.6B x 64 and 256: as is,
 #                                     # with synchronous steps (--no-async), with cuBLAS's projections
 #   bash bench/speed_gpu.sh tests     # the GPU tests of the engine's and the trainer's kernels
+#   bash bench/speed_gpu.sh rollout   # bench/rollout_steps.py at 0.6B, with and without gc.freeze, then
+#                                     # bench/grpo_step.py with TRL in the same run (SHAPES, default 0.6B)
 # Results under $OUT/speed/<TAG> (TAG defaults to "run").
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -53,6 +56,15 @@ for mode in "${@:-profile}"; do
              --json "$out/engine_0.6b_${c}${v//-/_}.json" 2>&1 | grep "tok/s (" | sed "s/^/[${v:-default}] /"
          done
        done) ;;
+    rollout)
+      for f in "" --no-gc-freeze; do
+        python3 bench/rollout_steps.py --shape qwen3-0.6b --steps 5 $f --json "$out/rollout_steps_0.6b${f//-/_}.json" \
+          2>&1 | grep -A12 "^rollout  total"
+      done
+      for shape in ${SHAPES:-qwen3-0.6b}; do
+        python3 bench/grpo_step.py --systems unison,trl --shapes $shape --steps 5 --unison-set save_final=false \
+          --json "$out/grpo_${shape}_trl.json" --workdir /tmp/speed_$shape 2>&1 | tail -3
+      done ;;
     tests)
       timeout "${LIMIT:-300}" python3 -m pytest -q -x -s -p no:cacheprovider ${TESTS:-tests/test_fused_train_gpu.py \
         tests/test_triton_gpu.py tests/test_engine_gpu.py} 2>&1 | quiet 40 ;;
