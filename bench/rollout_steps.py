@@ -129,11 +129,8 @@ def main():
     p.add_argument("--new", type=int, default=512)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--unison-set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--no-gc-freeze", action="store_true", help="leave the heap unfrozen (unison.train.loop freezes it)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    if args.no_gc_freeze:  # the loop's gc.freeze() calls change nothing
-        gc.freeze = lambda: None
     probe = Probe()
     with tempfile.TemporaryDirectory() as work:
         checkpoint = os.path.join(work, "checkpoint")
@@ -152,7 +149,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                       "shape": args.shape, "overrides": args.unison_set, "gc_freeze": not args.no_gc_freeze,
+                       "shape": args.shape, "overrides": args.unison_set,
                        "every_step": run["every_step"],
                        "rollouts": rows}, f, indent=1)
 

@@ -8,7 +8,7 @@
 #   bash bench/speed_gpu.sh decode    # bench/decode_linear.py, then bench/engine.py at 0.6B x 64 and 256: as is,
 #                                     # with synchronous steps (--no-async), with cuBLAS's projections
 #   bash bench/speed_gpu.sh tests     # the GPU tests of the engine's and the trainer's kernels
-#   bash bench/speed_gpu.sh rollout   # bench/rollout_steps.py at 0.6B, with and without gc.freeze, then
+#   bash bench/speed_gpu.sh rollout   # bench/rollout_steps.py at 0.6B, then
 #                                     # bench/grpo_step.py with TRL in the same run (SHAPES, default 0.6B)
 # Results under $OUT/speed/<TAG> (TAG defaults to "run").
 set -uo pipefail
@@ -57,10 +57,8 @@ for mode in "${@:-profile}"; do
          done
        done) ;;
     rollout)
-      for f in "" --no-gc-freeze; do
-        python3 bench/rollout_steps.py --shape qwen3-0.6b --steps 5 $f --json "$out/rollout_steps_0.6b${f//-/_}.json" \
-          2>&1 | grep -A12 "^rollout  total"
-      done
+      python3 bench/rollout_steps.py --shape qwen3-0.6b --steps 5 --json "$out/rollout_steps_0.6b.json" 2>&1 \
+        | grep -A12 "^rollout  total"
       for shape in ${SHAPES:-qwen3-0.6b}; do
         python3 bench/grpo_step.py --systems unison,trl --shapes $shape --steps 5 --unison-set save_final=false \
           --json "$out/grpo_${shape}_trl.json" --workdir /tmp/speed_$shape 2>&1 | tail -3

@@ -75,24 +75,6 @@ def test_engine_and_trainer_agree_at_lr_zero(model_dir, tmp_path):
         assert r["optim/changed_frac"] == 0
 
 
-def test_the_run_freezes_the_heap_and_thaws_it_at_the_end(model_dir, tmp_path):
-    """Python's garbage collector leaves the objects of the setup and of the first step out of its walks while the
-    run lasts (gc.freeze), and takes them back when it ends, so a later run in the process can collect them."""
-    import gc
-
-    frozen = []
-
-    def reward(prompts, completions, **_):
-        frozen.append(gc.get_freeze_count())
-        return count_w7(prompts, completions)
-
-    rows = task().rows
-    train(run_cfg(model_dir, tmp_path / "gc", "--max_steps=2"), Task("tiny", rows, [(reward, 1.0)]))
-    assert frozen and frozen[0] > 10_000  # torch, transformers, the model and the engine: frozen before rolling out
-    assert max(frozen) > frozen[0]  # the first step's objects joined them
-    assert gc.get_freeze_count() == 0
-
-
 def test_bad_inputs_have_clear_errors(model_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="does-not-exist"):
         train(run_cfg(str(tmp_path / "does-not-exist"), tmp_path / "x"), task())

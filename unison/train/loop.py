@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import random
@@ -33,22 +32,6 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run = build_run(cfg, task)
-    # A full garbage collection walks every tracked object: the ~400k that torch, transformers and a model bring
-    # took 0.28 s a walk on a CI core, and a rollout allocates enough to set one off now and then in the middle of
-    # decoding. Frozen (gc.freeze), what exists after the setup and after the first step (its compiled kernels and
-    # captured graphs) is left out of every walk until the run ends.
-    gc.freeze()
-    try:
-        metrics = _steps(run)
-    finally:
-        gc.unfreeze()  # collectable again: a later run in this process must not keep this one's cycles alive
-    _finish(run)
-    return metrics
-
-
-def _steps(run: Run) -> dict[str, float]:
-    """Steps ``run.start`` .. ``max_steps``: the loop. Returns the last step's metrics."""
-    cfg = run.cfg
     engine, optimizer, topology = run.engine, run.optimizer, run.topology
     metrics: dict[str, float] = {}
     kv_dropped = 0
@@ -83,8 +66,6 @@ def _steps(run: Run) -> dict[str, float]:
         metrics.update(_timing_and_memory(run, t0, t1, t2, metrics["train/tokens"]))
         if run.evaluator is not None and run.evaluator.due(step, cfg.max_steps):
             metrics.update(run.evaluator.run(run.rollout.land))  # rollouts in flight land with the loop
-        if step == run.start:
-            gc.freeze()
         if topology.dp is not None:
             metrics = reduce_metrics(metrics, topology.dp)
         run.writer.log(step, metrics)
@@ -97,6 +78,7 @@ def _steps(run: Run) -> dict[str, float]:
             _save(run, os.path.join(cfg.output_dir, f"checkpoint-{step}"), step)
             if cfg.save_total_limit and topology.is_main:
                 prune_checkpoints(cfg.output_dir, cfg.save_total_limit)
+    _finish(run)
     return metrics
 
 
