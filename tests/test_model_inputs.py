@@ -14,7 +14,7 @@ from tiny_gguf import write_tiny_gguf
 from unison.chat_templates import family_template, turn_end_ids
 from unison.config import InvalidInputError
 from unison.engine import Engine, EngineConfig, SamplingParams
-from unison.models import DEFAULT_MODEL, cache_dir, load_policy, resolve_model, stop_token_ids
+from unison.models import cache_dir, load_policy, resolve_model, stop_token_ids
 from unison.rollout.loop import encode_prompt
 
 
@@ -45,16 +45,6 @@ def test_glm_template_ends_a_turn_where_the_next_user_turn_opens():
     tok = family_tokenizer("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>")
     name, tok.chat_template = family_template(tok)
     assert name == "GLM-4" and turn_end_ids(tok) == [tok.convert_tokens_to_ids("<|user|>")]
-
-
-def test_real_smollm2_tokenizer_turn_end_is_im_end():
-    folder = cache_dir() / DEFAULT_MODEL
-    if not (folder / "tokenizer.json").is_file():
-        pytest.skip(f"the default model is not converted in {folder} (tests/test_models.py converts it)")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(folder)
-    assert turn_end_ids(tok) == [tok.convert_tokens_to_ids("<|im_end|>")]
 
 
 def test_template_without_a_special_turn_end_adds_no_stop():

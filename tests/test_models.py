@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from unison.chat_templates import turn_end_ids
 from unison.models import (
     DEFAULT_MODEL,
     KNOWN_MODELS,
@@ -86,6 +87,7 @@ def test_tokenizer_chat_template_and_stop_ids(converted):
     model, tokenizer, _, _ = converted
     assert model.config._attn_implementation == "unison"
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert turn_end_ids(tokenizer) == [im_end]  # the real SmolLM2 tokenizer's turn ends at <|im_end|>
     assert im_end in stop_token_ids(tokenizer, model)
     text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                          add_generation_prompt=True)
