@@ -79,16 +79,38 @@ def test_prefix_cache_shared_within_group_and_never_stale():
     engine = make_engine(model, block_size=4)
     prompt = random_prompts([30])
     params = SamplingParams(max_new_tokens=4, n=4, stop_token_ids=NO_STOP)
-    engine.generate(prompt, params)
+    first = engine.generate(prompt, params)
     stats = engine.stats()
-    # Three of the four samples found the prompt's 7 cacheable blocks (28 tokens) computed by the first.
+    # Three of the four samples are forks of the first: admitted beside it, they share its prompt's 7 full blocks
+    # (28 tokens), get its last 2 tokens' KV copied into a block of their own and sample their first token from its
+    # logits, so no prompt token is computed twice (before forks, each recomputed those 2 tokens a step later).
     assert stats["prefix_cache_hit_rate"] == pytest.approx(3 * 28 / (4 * 30))
-    assert stats["tokens_computed"] == 30 + 3 * 2 + 4 * 3
+    assert stats["tokens_computed"] == 30 + 4 * 3
+    assert max_logprob_diff(model, first) < 1e-4  # every sample, forks included, against a teacher-forced forward
+    assert len({tuple(c.token_ids) for c in first}) > 1
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.5)
     engine.weights_updated(engine.version + 1)
     done = engine.generate(prompt, SamplingParams(max_new_tokens=6, n=2, stop_token_ids=NO_STOP))
+    assert max_logprob_diff(model, done) < 1e-4
+
+
+def test_forks_of_a_step_that_never_completed_are_queued_again():
+    """A group admitted together forks its samples from the first one's prompt; if that step's forward never ran
+    (it raised), the next schedule puts the forks back in the queue with their blocks freed, and the group still
+    completes exactly."""
+    model = tiny_llama()
+    engine = make_engine(model, block_size=4)
+    free = engine.allocator.num_free
+    engine.submit(random_prompts([10])[0], SamplingParams(max_new_tokens=5, n=3, stop_token_ids=NO_STOP, seed=1))
+    engine.scheduler.schedule()  # as if this step's forward had failed
+    assert len(engine.scheduler.forks) == 2 and engine.allocator.num_free == free - 3 - 2
+    done = []
+    for _ in range(20):
+        done += engine.step()
+    assert sorted(len(c.token_ids) for c in done) == [5, 5, 5] and engine.allocator.num_free == free
+    assert not engine.scheduler.forks
     assert max_logprob_diff(model, done) < 1e-4
 
 

@@ -96,6 +96,15 @@ class KVPool(vmm.LendsMemory):
             if layer.value_in_key:
                 self.v[-1] = self.k[-1][..., :layer.value_dim]
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K and V at slots ``src`` into slots ``dst`` (int64, same length, disjoint)."""
+        for layer, k, v in zip(self.layers, self.k, self.v, strict=True):
+            if layer.kv_heads == 0:  # a hybrid model's linear-attention layer: no KV
+                continue
+            k.index_copy_(0, dst, k.index_select(0, src))
+            if not layer.value_in_key:
+                v.index_copy_(0, dst, v.index_select(0, src))
+
     @property
     def has_latent(self) -> bool:
         """Whether some layer caches an MLA latent (``unison.engine.mla``)."""

@@ -253,10 +253,13 @@ class Engine:
         self.scheduler.after_forward(chunks)
         self._copy_states()
         sampling = [c.request for c in chunks if c.samples]
+        forks = self.scheduler.take_forks()
+        if forks:  # their prompt's KV and logits are the request's that computed it this step
+            logits, sampling = self._fork(forks, logits, sampling)
         if sampling:
             tokens, logprobs = self._sample(logits, sampling)
             self._phase("sample")
-            if graph and self._overlap is not None and self._fused_rows(sampling):
+            if graph and self._overlap is not None and self._fused_rows(sampling) and not forks:
                 self._overlap.launch([(c.request, c.start) for c in chunks], tokens, logprobs)  # read next step()
                 self._count(chunks, graph, 0, t0)
                 return finished
@@ -271,6 +274,22 @@ class Engine:
             self._phase("finish")
         self._count(chunks, graph, len(sampling), t0)
         return finished
+
+    def _fork(self, forks: list[tuple[Request, Request]], logits: torch.Tensor, sampling: list[Request]
+              ) -> tuple[torch.Tensor, list[Request]]:
+        """Each forked request copies its prompt's partial last block from the request that computed the prompt,
+        and samples from that request's logits row: the logits and the sampling requests with theirs appended."""
+        bs, src, dst = self.config.block_size, [], []
+        for req, lead in forks:
+            full, partial = divmod(len(req.prompt), bs)
+            if partial:
+                src += range(lead.blocks[full] * bs, lead.blocks[full] * bs + partial)
+                dst += range(req.blocks[full] * bs, req.blocks[full] * bs + partial)
+        if src:
+            self.pool.copy_slots(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
+        row = {id(r): i for i, r in enumerate(sampling)}
+        rows = torch.tensor([row[id(lead)] for _, lead in forks], device=logits.device)
+        return torch.cat([logits, logits.index_select(0, rows)]), sampling + [req for req, _ in forks]
 
     def _count(self, chunks: list[ScheduledChunk], graph: bool, generated: int, t0: float) -> None:
         self._counters["steps"] += 1

@@ -94,6 +94,10 @@ class Scheduler:
         self.snapshots: OrderedDict[int, int] | None = OrderedDict() if state_slots and prefix_caching else None
         self.free_snapshots = list(range(state_slots, state_slots + snapshot_slots))
         self.state_copies: list[tuple[int, int]] = []  # (from slot, to slot), applied in order
+        # Samples of a group admitted beside the sample that computes their prompt this step: (sample, that one).
+        # After the forward each takes the prompt's KV and samples its first token from the same logits
+        # (``take_forks``) instead of waiting a step to recompute the prompt's last block.
+        self.forks: list[tuple[Request, Request]] = []
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which served from it
@@ -102,6 +106,10 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> list[ScheduledChunk]:
+        for req, _ in reversed(self.forks):  # forks of a step whose forward never completed: queued again
+            self._drop_kv(req)
+            self.waiting.appendleft(req)
+        self.forks = []
         budget = self.max_batch_tokens
         chunks: list[ScheduledChunk] = []
         preempted = False
@@ -137,11 +145,12 @@ class Scheduler:
 
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> int:
         deferred = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.forks) < self.max_num_seqs:
             req = self.waiting.popleft()
             hits, pending = self._lookup(req)
             if pending:
-                deferred.append(req)  # another request is computing this prompt's blocks: share them next step
+                if not self._fork(req, chunks):
+                    deferred.append(req)  # another request is computing this prompt's blocks: share them next step
                 continue
             for block in hits:
                 self.allocator.acquire(block)
@@ -170,6 +179,40 @@ class Scheduler:
             budget -= length
         self.waiting.extendleft(reversed(deferred))
         return budget
+
+    def _fork(self, req: Request, chunks: list[ScheduledChunk]) -> bool:
+        """Queue ``req`` (nothing generated yet) as a fork of the sample of its group whose chunk this step ends the
+        same prompt: it shares that sample's full prompt blocks and gets a block of its own for the prompt's last,
+        partial one, whose KV the engine copies after the forward. False where no such chunk is scheduled, for a
+        hybrid model's request (its layer state would need the same care), or where no block is free."""
+        if req.output or self.free_states is not None:
+            return False
+        lead = next((c.request for c in chunks if c.request.group_id == req.group_id and not c.request.output
+                     and c.start + c.length == len(req.prompt) and c.request.prompt == req.prompt), None)
+        if lead is None:
+            return False
+        full, partial = divmod(len(req.prompt), self.block_size)
+        need = int(partial > 0)
+        self._reclaim(need)
+        if need > self.allocator.num_free:
+            return False
+        for block in lead.blocks[:full]:
+            self.allocator.acquire(block)
+        req.blocks = lead.blocks[:full] + self.allocator.allocate(need)
+        self.prefix_queries += len(req.prompt)
+        self.prefix_hits += full * self.block_size
+        self.forks.append((req, lead))
+        return True
+
+    def take_forks(self) -> list[tuple[Request, Request]]:
+        """After the step's forward: each fork (sample, the sample that computed its prompt) now runs, its whole
+        prompt counted as computed (the caller copies the partial last block and samples its first token from the
+        other's logits)."""
+        forks, self.forks = self.forks, []
+        for req, _ in forks:
+            req.num_computed = len(req.prompt)
+            bisect.insort(self.running, req, key=lambda r: r.arrival)
+        return forks
 
     def _take_state_slot(self) -> int:
         """A free state slot; parked requests give theirs up (with their KV) when none is. Fewer requests than
