@@ -31,7 +31,7 @@ from .backend import AttentionBackend, PagedBatch, StepLayout, TorchPagedBackend
 from .cache import BlockAllocator, KVPool, kv_widths
 from .lm_head import decoder_of, lm_head_of
 from .overlap import Overlap
-from .parts import WithMerged, check_request, eos_ids, resolve_kernels, snapshot_slots, state_pool
+from .parts import WithMerged, check_request, eos_ids, fork_rows, resolve_kernels, snapshot_slots, state_pool
 from .sampler import apply_repetition_penalty, sample
 from .scheduler import Request, ScheduledChunk, Scheduler
 from .seeding import SEED_RANGE, request_seed, token_seed
@@ -255,7 +255,7 @@ class Engine:
         sampling = [c.request for c in chunks if c.samples]
         forks = self.scheduler.take_forks()
         if forks:  # their prompt's KV and logits are the request's that computed it this step
-            logits, sampling = self._fork(forks, logits, sampling)
+            logits, sampling = fork_rows(forks, logits, sampling, self.pool, self.config.block_size)
         if sampling:
             tokens, logprobs = self._sample(logits, sampling)
             self._phase("sample")
@@ -274,22 +274,6 @@ class Engine:
             self._phase("finish")
         self._count(chunks, graph, len(sampling), t0)
         return finished
-
-    def _fork(self, forks: list[tuple[Request, Request]], logits: torch.Tensor, sampling: list[Request]
-              ) -> tuple[torch.Tensor, list[Request]]:
-        """Each forked request copies its prompt's partial last block from the request that computed the prompt,
-        and samples from that request's logits row: the logits and the sampling requests with theirs appended."""
-        bs, src, dst = self.config.block_size, [], []
-        for req, lead in forks:
-            full, partial = divmod(len(req.prompt), bs)
-            if partial:
-                src += range(lead.blocks[full] * bs, lead.blocks[full] * bs + partial)
-                dst += range(req.blocks[full] * bs, req.blocks[full] * bs + partial)
-        if src:
-            self.pool.copy_slots(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
-        row = {id(r): i for i, r in enumerate(sampling)}
-        rows = torch.tensor([row[id(lead)] for _, lead in forks], device=logits.device)
-        return torch.cat([logits, logits.index_select(0, rows)]), sampling + [req for req, _ in forks]
 
     def _count(self, chunks: list[ScheduledChunk], graph: bool, generated: int, t0: float) -> None:
         self._counters["steps"] += 1

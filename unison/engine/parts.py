@@ -1,5 +1,6 @@
 """What an ``Engine`` derives from its model and config: the hybrid layers' state pool, the kernels, the eos ids,
-a LoRA policy's merged weights around its forwards; and the checks every request passes before it is queued."""
+a LoRA policy's merged weights around its forwards; the checks every request passes before it is queued; and the
+rows a step's forked requests sample from."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from ..lora import MergedAdapters
 from . import state
 from .cache import KVPool
+from .scheduler import Request
 from .types import EngineConfig, SamplingParams
 
 
@@ -90,3 +92,21 @@ def check_request(prompt: list[int], params: SamplingParams, vocab_size: int, ma
     if blocks > config.num_blocks:
         raise ValueError(f"a request of up to {tokens} tokens needs {blocks} KV blocks but the pool has "
                          f"{config.num_blocks}: raise EngineConfig.num_blocks or lower max_new_tokens")
+
+
+def fork_rows(forks: list[tuple[Request, Request]], logits: torch.Tensor, sampling: list[Request], pool: KVPool,
+              block_size: int) -> tuple[torch.Tensor, list[Request]]:
+    """The step's forks (``Scheduler.take_forks``: a request, and the one that computed its prompt this step): each
+    copies the prompt's partial last block from the other and samples from its logits row. Returns the logits and
+    the sampling requests with the forks' rows appended."""
+    src, dst = [], []
+    for req, lead in forks:
+        full, partial = divmod(len(req.prompt), block_size)
+        if partial:
+            src += range(lead.blocks[full] * block_size, lead.blocks[full] * block_size + partial)
+            dst += range(req.blocks[full] * block_size, req.blocks[full] * block_size + partial)
+    if src:
+        pool.copy_slots(torch.tensor(src, device=logits.device), torch.tensor(dst, device=logits.device))
+    row = {id(r): i for i, r in enumerate(sampling)}
+    rows = torch.tensor([row[id(lead)] for _, lead in forks], device=logits.device)
+    return torch.cat([logits, logits.index_select(0, rows)]), sampling + [req for req, _ in forks]
