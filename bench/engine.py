@@ -23,7 +23,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
 
-from unison.engine import Engine, EngineConfig, SamplingParams, fused_linear
+from unison.engine import Engine, EngineConfig, SamplingParams, fused_layer, fused_linear
 from unison.engine.lm_head import lm_head_fp32
 
 SHAPES = {
@@ -221,10 +221,15 @@ def main():
     p.add_argument("--no-async", action="store_true", help="synchronous decode steps (engine.async_scheduling=false)")
     p.add_argument("--no-fused-projections", action="store_true",
                    help="cuBLAS's projections in the decode graphs (unison.engine.fused_linear off)")
+    p.add_argument("--no-fused-layers", action="store_true",
+                   help="transformers' decoder layers and attention forwards in the engine (unison.engine.fused_layer "
+                        "off: separate residual adds, q/k norms, RoPE and K/V write)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
     if args.no_fused_projections:
         fused_linear.MAX_ROWS = 0
+    if args.no_fused_layers:
+        fused_layer.DEVICES = set()
     workloads = SUITES[args.suite] if args.suite else [
         (args.shape, args.concurrency, args.prompt, args.new, args.transformers)]
     ceilings = machine_ceilings(args.device)
@@ -263,6 +268,7 @@ def main():
                            "config": {"block_size": args.block_size, "max_batch_tokens": args.max_batch_tokens,
                                       "async_scheduling": not args.no_async,
                                       "fused_projections": not args.no_fused_projections,
+                                      "fused_layers": not args.no_fused_layers,
                                       "sampling": "T=1, logprobs, no stop tokens, random bf16 weights"},
                            "workloads": results}, f, indent=2)
     print(f"{'workload':32s} {'unison tok/s':>12s} {'ms/decode':>9s} {'hf tok/s':>9s} {'roofline':>9s}")

@@ -2,7 +2,10 @@
 # Issue 23 on the GPU machine (carry .whl: transformers 5.24; ../shared/tools/gpu-wheels.sh; the TRL runs also take
 # trl==1.16.0 accelerate==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0, which the image lacks):
 #   bash bench/speed_gpu.sh profile   # engine_profile (0.6B at 256 and 64) and train_profile (0.6B, 1.7B)
-#   bash bench/speed_gpu.sh engine    # bench/engine.py: 0.6B at 256 and 64 (unison alone)
+#   bash bench/speed_gpu.sh engine    # bench/engine.py: 0.6B at 256 and 64 (unison alone), for each flag set of
+#                                     # VARIANTS (default "-": as is), e.g. VARIANTS="- --no-fused-layers"
+#   bash bench/speed_gpu.sh kernel    # bench/decode_kernel.py --suite short: the decode attention kernel's tiles,
+#                                     # grid order and splits at a GRPO rollout's contexts, in graphs of 28 layers
 #   bash bench/speed_gpu.sh grpo      # bench/grpo_step.py --systems unison, both shapes: the defaults, then each of
 #                                     # SETS (default: step.fused_kernels=false memory.lend_kv=always), one at a time
 #   bash bench/speed_gpu.sh decode    # bench/decode_linear.py, then bench/engine.py at 0.6B x 64 and 256: as is,
@@ -32,10 +35,15 @@ for mode in "${@:-profile}"; do
        fi) ;;
     engine)
       (cd bench
-       python3 engine.py --device cuda --shape qwen3-0.6b --concurrency 256 --prompt 128 --new 256 \
-         --json "$out/engine_0.6b_256.json" 2>&1 | quiet 6
-       python3 engine.py --device cuda --shape qwen3-0.6b --concurrency 64 --prompt 128 --new 256 \
-         --json "$out/engine_0.6b_64.json" 2>&1 | quiet 6) ;;
+       for c in 256 64; do
+         for v in ${VARIANTS:--}; do
+           [[ $v == - ]] && v=""
+           python3 engine.py --device cuda --shape qwen3-0.6b --concurrency $c --prompt 128 --new 256 ${v//,/ } \
+             --json "$out/engine_0.6b_${c}${v//[-,]/_}.json" 2>&1 | grep "tok/s (" | sed "s/^/[${v:-default}] /"
+         done
+       done) ;;
+    kernel)
+      (cd bench && python3 decode_kernel.py --suite short --json "$out/decode_kernel_short.json" 2>&1 | quiet 8) ;;
     grpo)
       for shape in qwen3-0.6b qwen3-1.7b; do
         python3 bench/grpo_step.py --systems unison --shapes $shape --json "$out/grpo_${shape}_default.json" \
@@ -65,6 +73,7 @@ for mode in "${@:-profile}"; do
       done ;;
     tests)
       timeout "${LIMIT:-300}" python3 -m pytest -q -x -s -p no:cacheprovider ${TESTS:-tests/test_fused_train_gpu.py \
-        tests/test_triton_gpu.py tests/test_engine_gpu.py} 2>&1 | quiet 40 ;;
+        tests/test_triton_gpu.py tests/test_engine_gpu.py tests/test_fused_layer_gpu.py} 2>&1 | tee "$out/tests.log" \
+        | quiet 40 ;;
   esac
 done

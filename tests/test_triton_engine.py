@@ -94,6 +94,8 @@ def test_decode_kernel_with_sinks_softcap_and_mla_widths(k_dim, v_dim, sinks, so
 
 def test_split_count_heuristic():
     assert num_splits(256, 8, 4096, 132) == 1  # 2048 programs already fill the GPU
+    assert num_splits(64, 8, 576, 132) == 1  # 512: three a multiprocessor already (one split measured faster)
+    assert num_splits(16, 8, 4096, 132) == 8
     assert num_splits(4, 8, 4096, 132) == 16  # few sequences: split the context
     assert num_splits(4, 8, 100, 132) == 1  # ...but never below 256 keys a split
     assert batch_ladder(256)[:6] == [1, 2, 4, 8, 16, 24] and batch_ladder(256)[-1] == 256

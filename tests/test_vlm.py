@@ -16,7 +16,8 @@ from conftest import tiny_llama, tiny_tokenizer
 from vlm_models import FAMILIES, random_image, tiny_vlm, user_turn
 
 from unison.config import InvalidInputError, load_config
-from unison.engine import Engine, EngineConfig, SamplingParams
+from unison.engine import Engine, EngineConfig, SamplingParams, fused_layer
+from unison.engine.fused_layer import fused_layers
 from unison.models import load_policy, load_processor
 from unison.rollout.remote import RemoteEngine
 from unison.rollout.sample import Sample
@@ -74,15 +75,25 @@ def run(engine: Engine, prompts) -> list:
     return [done[i] for i in ids]
 
 
-def test_engine_logprobs_equal_the_models_own_forward(vlm_pair):
-    """Chunked prefill (8 tokens a step) through the image tokens, preemption (12 blocks of 4 for 4 samples), n=2."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_engine_logprobs_equal_the_models_own_forward(vlm_pair, fused, monkeypatch):
+    """Chunked prefill (8 tokens a step) through the image tokens, preemption (12 blocks of 4 for 4 samples), n=2;
+    and through the GPU's fused decoder layers (unison.engine.fused_layer, here in Triton's interpreter): Qwen3-VL
+    adds its deepstack features between layers, where the fused add must not pass the layer's sum on."""
     family, model, processor = vlm_pair
     prompter = ImagePrompter(model, processor)
     cases = [(user_turn(TEXT), [random_image(0)]), (user_turn("w9 w3", images=2), [random_image(1), random_image(2)])]
     engine = Engine(model, EngineConfig(num_blocks=12, block_size=4, max_batch_tokens=8, seed=0))
+    fused_adds = []
+    if fused:
+        monkeypatch.setattr(fused_layer, "DEVICES", {"cpu", "cuda"})
+        add = fused_layer.add_rms_norm
+        monkeypatch.setattr(fused_layer, "add_rms_norm", lambda *a: fused_adds.append(1) or add(*a))
+        engine._fused = lambda: fused_layers(engine.decoder)
     prompts = [(*prompter(m, imgs), SamplingParams(max_new_tokens=6, n=2, stop_token_ids=())) for m, imgs in cases]
     done = run(engine, prompts)
     assert engine.stats()["num_preemptions"] > 0
+    assert bool(fused_adds) == fused
     for i, c in enumerate(done):
         messages, images = cases[i // 2]
         ref = own_logprobs(model, processor, messages, images, c.prompt_ids, c.token_ids)

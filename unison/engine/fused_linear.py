@@ -259,16 +259,17 @@ def fused_projections(model: torch.nn.Module):
             if _qkv_class(type(module)) and _plain([module.q_proj, module.k_proj, module.v_proj]):
                 qkv = _QKV(module)
                 for i, proj in enumerate(qkv.linears):
-                    _swap(stack, proj, qkv.forward_of(i))
+                    swap_forward(stack, proj, qkv.forward_of(i))
                 switched += 1
         for mlp in swiglu_mlps(model):
             if _plain([mlp.gate_proj, mlp.up_proj]) and mlp.gate_proj.bias is None:
-                _swap(stack, mlp, _gated_forward(mlp, mlp.forward))
+                swap_forward(stack, mlp, _gated_forward(mlp, mlp.forward))
                 switched += 1
         yield switched
 
 
-def _swap(stack: ExitStack, module: torch.nn.Module, forward) -> None:
+def swap_forward(stack: ExitStack, module: torch.nn.Module, forward) -> None:
+    """``module.forward = forward`` until ``stack`` closes, then the module's own forward again."""
     own = module.__dict__.get("forward")
     module.forward = forward
 

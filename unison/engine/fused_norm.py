@@ -6,28 +6,59 @@ about 900 launches of a few microseconds each on a few hundred kilobytes. ``fuse
 modules' forward for one Triton kernel that computes the same function in the same precision (fp32 statistics,
 the normalised value rounded to the input dtype, then multiplied by the weight), for the duration of a
 ``with`` block: the engine captures its decode graphs inside it, every other forward (training, prefill) runs
-the modules unchanged.
+the modules unchanged. Besides the named classes, any norm whose forward is Llama's, statement for statement
+(``llama_norm``: GLM-4-MoE's, DeepSeek-V3's, SmolLM3's, ...), computes the same function and is fused too.
+
+``add_rms_norm`` is the residual add in front of a norm in the same kernel (``unison.engine.fused_layer``).
 """
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 import torch
 import triton
 import triton.language as tl
 
+from .source import body
+
 # Qwen3-MoE's norm is Qwen3's, source for source (transformers 5.24); its decode spent ~0.85 ms per step of 11.6 in
 # unfused norms and RoPE on the H200 (bench/results/h200/moe_decode).
 NORM_CLASSES = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm"}
+_LLAMA_NORM = ("input_dtype = hidden_states.dtype",
+               "hidden_states = hidden_states.to(torch.float32)",
+               "variance = hidden_states.pow(2).mean(-1, keepdim=True)",
+               "hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)",
+               "return self.weight * hidden_states.to(input_dtype)")
+
+
+@functools.cache
+def llama_norm(cls: type) -> bool:
+    """Whether ``cls`` is an RMSNorm that the kernel computes: a named class, or Llama's forward, line for line."""
+    if not hasattr(cls, "forward") or not issubclass(cls, torch.nn.Module):
+        return False
+    return cls.__name__ in NORM_CLASSES or body(cls.forward) == _LLAMA_NORM
+
+
+def fusable(module: torch.nn.Module) -> bool:
+    return llama_norm(type(module)) and hasattr(module, "variance_epsilon") and hasattr(module, "weight")
 
 
 @triton.jit
-def _rms_norm_kernel(X, W, Y, stride_x, stride_y, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(X, W, Y, R, S, stride_x, stride_y, stride_r, stride_s, eps, N: tl.constexpr,
+                     BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
+    """Row ``row`` of Y = norm(X) (with ``RESIDUAL``: S = X + R rounded to X's dtype as PyTorch's add rounds, then
+    Y = norm(S))."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (x + r).to(X.dtype.element_ty)
+        tl.store(S + row * stride_s + cols, x, mask=mask)
+        x = x.to(tl.float32)
     variance = tl.sum(x * x, 0) / N
     normed = (x * tl.rsqrt(variance + eps)).to(X.dtype.element_ty)
     w = tl.load(W + cols, mask=mask, other=0.0)
@@ -38,13 +69,31 @@ def _rms_norm_kernel(X, W, Y, stride_x, stride_y, eps, N: tl.constexpr, BLOCK: t
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype) over the last dimension, statistics in fp32."""
     n = x.shape[-1]
-    rows = x.reshape(-1, n)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(x)
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), eps, N=n,
-                                       BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 2048 else 8)
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows, rows, rows.stride(0), out.stride(0), 0, 0, eps, N=n,
+                                       BLOCK=triton.next_power_of_2(n), RESIDUAL=False,
+                                       num_warps=4 if n <= 2048 else 8)
     return out.view(*x.shape[:-1], n)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rms_norm(s, weight, eps)) with s = x + residual in x's dtype (``residual`` of x's shape and dtype): the
+    decoder layer's residual add and the norm after it, one kernel."""
+    n = x.shape[-1]
+    rows, res = _rows(x), _rows(residual)
+    total = torch.empty_like(rows)
+    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, res, total, rows.stride(0), out.stride(0), res.stride(0),
+                                       total.stride(0), eps, N=n, BLOCK=triton.next_power_of_2(n), RESIDUAL=True,
+                                       num_warps=4 if n <= 2048 else 8)
+    return total.view(x.shape), out.view(*x.shape[:-1], n)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 @contextmanager
@@ -55,7 +104,7 @@ def fused_norms(model: torch.nn.Module, norm=None):
     norm = norm or rms_norm
     patched = []
     for module in model.modules():
-        if type(module).__name__ in NORM_CLASSES and hasattr(module, "variance_epsilon"):
+        if fusable(module):
             patched.append((module, module.__dict__.get("forward")))
             module.forward = _fused_forward(module, norm)
     try:

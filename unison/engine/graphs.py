@@ -4,9 +4,10 @@ A decode step of n requests runs at the smallest ladder size b >= n; rows n..b-1
 and writes into, a scratch block of the pool that no request owns. Each size is captured the first time it is
 needed (decoder forward and the fp32 lm_head of every row, head transform included; sampling stays outside, so
 per-request generators and sampling parameters need no graph) and replayed after that. The capture runs with
-``fused_norms``, ``fused_rope`` and ``fused_projections``: each RMSNorm is one kernel instead of eight, RoPE of q
-and k one instead of ten, and on the GPU the q/k/v projections one instead of three, gate/up with the SwiGLU one
-instead of four. The graphs read the parameters and the KV pool at their addresses: in-place optimizer updates
+``fused_norms``, ``fused_rope``, ``fused_projections`` and ``fused_layers``: each RMSNorm is one kernel instead of
+eight, RoPE of q and k one instead of ten, and on the GPU the q/k/v projections one instead of three, gate/up with
+the SwiGLU one instead of four, each residual add joined to the norm after it, q/k norms, RoPE and the K/V write
+one kernel. The graphs read the parameters and the KV pool at their addresses: in-place optimizer updates
 need nothing, and they stay valid as long as neither tensor is reallocated. Without CUDA (the CPU tests) the same
 forward runs eagerly through the same buffers.
 
@@ -32,6 +33,7 @@ from . import state as layer_state
 from .attention import NO_MASK
 from .backend import PagedBatch
 from .cache import KVPool
+from .fused_layer import fused_layers
 from .fused_linear import fused_projections
 from .fused_norm import fused_norms
 from .fused_rope import fused_rope
@@ -41,9 +43,10 @@ from .triton_backend import TritonPagedBackend
 
 @contextmanager
 def fused_kernels(decoder: torch.nn.Module):
-    """The engine's forwards run inside this: every RMSNorm one kernel, RoPE of q and k one, and (on the GPU, up to
-    ``fused_linear.MAX_ROWS`` rows) the q/k/v and gate/up projections one each."""
-    with fused_norms(decoder), fused_rope(decoder), fused_projections(decoder):
+    """The engine's forwards run inside this: every RMSNorm one kernel, RoPE of q and k one, (on the GPU, up to
+    ``fused_linear.MAX_ROWS`` rows) the q/k/v and gate/up projections one each, and (on the GPU) each residual add
+    in its norm's kernel, q/k norms, RoPE and the K/V write in one (``fused_layer``)."""
+    with fused_norms(decoder), fused_rope(decoder), fused_projections(decoder), fused_layers(decoder):
         yield
 
 

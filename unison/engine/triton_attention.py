@@ -146,7 +146,7 @@ def _combine_kernel(PO, PML, SINK, Out, stride_on, stride_oh, HEADS: tl.constexp
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, block_size: int, scale: float, window: int | None = None,
-                 splits: int = 1, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                 splits: int = 1, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
                  out: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
                  softcap: float | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
@@ -194,8 +194,14 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
 
 
 def num_splits(batch: int, kv_heads: int, max_context: int, multiprocessors: int, block_n: int = 64) -> int:
-    """Splits per (sequence, KV head): enough programs for about four per multiprocessor, at most one split per
-    ``4 * block_n`` keys of the longest context, a power of two, at most 64."""
-    want = -(-4 * multiprocessors // (batch * kv_heads))
+    """Splits per (sequence, KV head): none where the grid has three programs per multiprocessor already, else
+    enough for about four per multiprocessor, at most one split per ``4 * block_n`` keys of the longest context, a
+    power of two, at most 64. At 64 sequences x 8 KV heads on an H200 (132 multiprocessors) one split was faster
+    than two at every context from 192 to 4096 keys (bench/results/h200/speed/attention); at 8 x 8, sixteen were
+    2.4x faster than one at 4096 keys (bench/results/h200/decode_kernel.json)."""
+    programs = batch * kv_heads
+    if programs >= 3 * multiprocessors:
+        return 1
+    want = -(-4 * multiprocessors // programs)
     cap = max(1, -(-max_context // (4 * block_n)))
     return min(triton.next_power_of_2(max(1, min(want, cap))), 64)
