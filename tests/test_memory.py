@@ -121,6 +121,9 @@ def test_auto_row_tokens_takes_the_longest_row_that_fits():
         return plan_for
 
     fits_8192 = (base + 8192 * per_token) / 0.85
+    fits_16384 = (base + 16384 * per_token) / 0.85
+    assert auto_row_tokens(on(fits_16384 * 1.01), 600) == 16384
+    assert auto_row_tokens(on(fits_16384 * 0.99), 600) == 8192
     assert auto_row_tokens(on(fits_8192 * 1.01), 600) == 8192
     assert auto_row_tokens(on(fits_8192 * 0.99), 600) == 4096
     assert auto_row_tokens(on(base * 1.0001), 600) == 2048  # nothing fits: the shortest candidate
@@ -172,6 +175,9 @@ def test_auto_lends_the_kv_pool_only_where_the_plan_needs_it():
     plan_for, _ = plans(50.0, 4096)
     lend, plan, rows = choose_lending("auto", True, plan_for)
     assert lend and rows == 8192  # keeping it would halve the rows
+    table = {True: (MemoryPlan([("KV pool", 10.0, "lent")], 100.0), 16384),
+             False: (MemoryPlan([("KV pool", 50.0, "")], 100.0), 8192)}
+    assert choose_lending("auto", True, table.get)[0] is False  # rows beyond 8192 are not worth lending for
     plan_for, asked = plans(50.0, 8192)
     assert choose_lending("always", True, plan_for)[:1] == (True,) and asked == [True]
     plan_for, asked = plans(50.0, 8192)

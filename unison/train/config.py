@@ -27,10 +27,11 @@ from .reporting import LogConfig
 @dataclass
 class StepConfig:
     max_tokens_per_row: int = 0
-    """Packed row length; each row is one micro-batch of the step. 0 (auto): 8192 where the memory plan fits in
-    85% of the GPU with it, else 4096, else 2048 (on the CPU 4096); never shorter than the longest sampled prompt
-    plus ``rollout.max_new_tokens``. No sample outgrows a row: a longer prompt's completion is cut to fit (counted
-    in ``completion/truncated_frac``), a prompt that fills a row is skipped (``rollout/skipped_prompts``)."""
+    """Packed row length; each row is one micro-batch of the step. 0 (auto): 16384 where the memory plan fits in
+    85% of the GPU with it, else 8192, 4096, 2048 (on the CPU 4096; the KV pool is never lent for rows beyond
+    8192); never shorter than the longest sampled prompt plus ``rollout.max_new_tokens``. No sample outgrows a
+    row: a longer prompt's completion is cut to fit (counted in ``completion/truncated_frac``), a prompt that fills
+    a row is skipped (``rollout/skipped_prompts``)."""
     logprob_chunk: int = 1024
     """Tokens per chunk of the lm_head in the policy logprobs: [chunk, vocab] is the largest logits block."""
     fused_kernels: bool = True

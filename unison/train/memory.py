@@ -44,14 +44,15 @@ def choose_lending(lend_kv: str, may_lend: bool, plan_for: Callable[[bool], tupl
                    ) -> tuple[bool, MemoryPlan, int]:
     """(lend, plan, row tokens). ``plan_for(lend)`` gives the plan and the packed row length with and without
     lending; ``may_lend``: ``MemoryConfig.lends``. ``auto`` keeps the pool where that plan fits in
-    ``AUTO_DEVICE_FRACTION`` of the GPU with rows at least as long as lending's."""
+    ``AUTO_DEVICE_FRACTION`` of the GPU with rows at least as long as lending's, up to ``LEND_FOR_ROWS``: longer
+    rows are taken where they fit, never lent for."""
     if not may_lend:
         return (False, *plan_for(False))
     lent, lent_rows = plan_for(True)
     if lend_kv == "always":
         return True, lent, lent_rows
     kept, kept_rows = plan_for(False)
-    if kept_rows >= lent_rows and kept.fits(AUTO_DEVICE_FRACTION):
+    if min(kept_rows, LEND_FOR_ROWS) >= min(lent_rows, LEND_FOR_ROWS) and kept.fits(AUTO_DEVICE_FRACTION):
         return False, kept, kept_rows
     return True, lent, lent_rows
 
@@ -165,8 +166,12 @@ def _reference_row(model: torch.nn.Module, weights: int, on_host: bool) -> tuple
     return ("reference model", on_device / gib, f"{weights / gib:.2f} GiB in pinned host memory, a layer at a time")
 
 
-AUTO_ROW_TOKENS = (8192, 4096, 2048)
+AUTO_ROW_TOKENS = (16384, 8192, 4096, 2048)
 AUTO_DEVICE_FRACTION = 0.85
+LEND_FOR_ROWS = 8192
+"""The longest rows worth lending the KV pool for: lending costs ~0.15 s a step at 1.7B on an H200
+(bench/results/h200/memory.json), rows of 16384 tokens instead of 8192 saved 0.08 s (0.6B) and 0.07 s (1.7B) of
+the training step (bench/results/h200/speed/after/train_profile_*.json)."""
 
 
 def auto_row_tokens(plan_for: Callable[[int], MemoryPlan], longest_sample: int) -> int:
@@ -175,7 +180,8 @@ def auto_row_tokens(plan_for: Callable[[int], MemoryPlan], longest_sample: int) 
 
     Longer rows mean fewer, larger micro-batches: a 1.7B model's step over 64 x 576 tokens on an H200 took 2.04 s
     in rows of 4096 tokens, 1.50 s in rows of 8192 and 1.47 s in rows of 16384 (bench/train_profile.py), because
-    short rows leave the step bound by kernel launches. Without a GPU the plan has no device size: 4096."""
+    short rows leave the step bound by kernel launches; with the fused training kernels, 1.02 and 0.95 s (0.63 and
+    0.55 s at 0.6B: bench/results/h200/speed). Without a GPU the plan has no device size: 4096."""
     plans = {tokens: plan_for(tokens) for tokens in AUTO_ROW_TOKENS}
     if plans[AUTO_ROW_TOKENS[0]].device_gib is None:
         return max(4096, longest_sample)
