@@ -164,3 +164,23 @@ def test_nothing_switches_off_the_devices():
     model = tiny_qwen3()
     with fused_layers(model.model) as switched:
         assert switched == 0
+
+
+def test_a_body_is_its_statements():
+    """Docstrings (one line, or closing on a text line), comments and blank lines are not statements."""
+    from unison.engine.source import body
+
+    def f(x):
+        """One line."""
+        y = x + 1  # a comment
+        # another
+
+        return y
+
+    def g(x):
+        """Several
+        lines, closing here."""
+        return x
+
+    assert body(f) == ("y = x + 1", "return y")
+    assert body(g) == ("return x",)

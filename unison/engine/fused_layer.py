@@ -291,5 +291,9 @@ def _attention_fusable(attn: torch.nn.Module, qk_norm: bool) -> bool:
     linears = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
     if not all(type(m) is torch.nn.Linear and type(m.weight.data) is torch.Tensor for m in linears):
         return False
-    return (len({m.weight.dtype for m in linears}) == 1 and getattr(attn, "sinks", None) is None
-            and (not qk_norm or (fusable(attn.q_norm) and fusable(attn.k_norm))))
+    dtypes = {m.weight.dtype for m in linears}
+    if qk_norm:
+        if not (fusable(attn.q_norm) and fusable(attn.k_norm)):
+            return False
+        dtypes |= {attn.q_norm.weight.dtype, attn.k_norm.weight.dtype}  # the kernel rounds the norm to q's dtype
+    return len(dtypes) == 1 and getattr(attn, "sinks", None) is None

@@ -21,10 +21,13 @@ def body(fn) -> tuple[str, ...]:
     out, docstring = [], False
     for line in lines[first:]:
         text = line.split("  #")[0].strip()
-        if text.startswith('"""'):
-            docstring = not (docstring or (len(text) > 3 and text.endswith('"""')))
+        if docstring:  # inside a docstring, up to the line that closes it
+            docstring = not text.endswith('"""')
             continue
-        if docstring or not text or text.startswith("#"):
+        if text.startswith('"""'):
+            docstring = not (len(text) > 3 and text.endswith('"""'))  # a one-line docstring closes itself
+            continue
+        if not text or text.startswith("#"):
             continue
         out.append(text.replace("past_key_values", "cache"))
     return tuple(out)
