@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from unison.engine.fused_norm import fused_norms  # noqa: E402
 from unison.engine.fused_rope import fused_rope, rope  # noqa: E402
 from unison.engine.graphs import batch_ladder  # noqa: E402
-from unison.engine.triton_attention import num_splits, paged_decode  # noqa: E402
+from unison.engine.triton_attention import num_splits, paged_decode, pipeline_stages  # noqa: E402
 from unison.engine.triton_sampler import FusedSampler, fused_sample  # noqa: E402
 
 
@@ -96,6 +96,8 @@ def test_split_count_heuristic():
     assert num_splits(256, 8, 4096, 132) == 1  # 2048 programs already fill the GPU
     assert num_splits(64, 8, 576, 132) == 1  # 512: three a multiprocessor already (one split measured faster)
     assert num_splits(16, 8, 4096, 132) == 8
+    assert pipeline_stages(64, 128, 128, 2) == 3  # bf16 heads of 128: the measured configuration
+    assert pipeline_stages(64, 256, 256, 2) == 2 and pipeline_stages(64, 128, 128, 4) == 2  # wider tiles as before
     assert num_splits(4, 8, 4096, 132) == 16  # few sequences: split the context
     assert num_splits(4, 8, 100, 132) == 1  # ...but never below 256 keys a split
     assert batch_ladder(256)[:6] == [1, 2, 4, 8, 16, 24] and batch_ladder(256)[-1] == 256

@@ -144,9 +144,14 @@ def _combine_kernel(PO, PML, SINK, Out, stride_on, stride_oh, HEADS: tl.constexp
     tl.store(Out + seq * stride_on + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < V_DIM)
 
 
+STAGE_BYTES = 128 * 1024
+"""Shared memory that three pipeline stages of K/V tiles may take: 3 stages measured faster than 2 at every case of
+bench/decode_kernel.py at 128-wide bf16 heads (3 x 32 KiB); wider or fp32 tiles keep 2, as measured before."""
+
+
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, block_size: int, scale: float, window: int | None = None,
-                 splits: int = 1, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
+                 splits: int = 1, block_n: int = 64, num_warps: int = 4, num_stages: int | None = None,
                  out: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
                  softcap: float | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
@@ -156,7 +161,8 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
     blocks, at least ceil(context_lens[b] / block_size) of them); context_lens: (B,) >= 1, the query's own key
     included; sinks: (H,) attention sinks (one logit per head joins each softmax) or None; softcap: attention
     logit softcapping (``softcap * tanh(s / softcap)``) or None. Returns (B, H, Dv) in q's dtype (``out`` if
-    given). fp32 inputs take IEEE fp32 dot products, not TF32.
+    given). fp32 inputs take IEEE fp32 dot products, not TF32. ``num_stages``: the loads' pipeline depth; None:
+    3 where three stages of K/V tiles take at most ``STAGE_BYTES``, else 2.
     """
     batch, heads, k_dim = q.shape
     kv_heads, v_dim = k_pool.shape[1], v_pool.shape[-1]
@@ -171,6 +177,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
     group = heads // kv_heads
     block_dv = triton.next_power_of_2(v_dim)
     out = q.new_empty(batch, heads, v_dim) if out is None else out
+    num_stages = num_stages or pipeline_stages(block_n, k_dim, v_dim, k_pool.element_size())
     if splits > 1:
         part_o = torch.empty(batch * heads * splits * block_dv, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(batch * heads * splits * 2, dtype=torch.float32, device=q.device)
@@ -193,11 +200,17 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
     return out
 
 
+def pipeline_stages(block_n: int, k_dim: int, v_dim: int, element_size: int) -> int:
+    """3 where three stages of a key tile and a value tile fit in ``STAGE_BYTES``, else 2."""
+    tile = block_n * (triton.next_power_of_2(k_dim) + triton.next_power_of_2(v_dim)) * element_size
+    return 3 if 3 * tile <= STAGE_BYTES else 2
+
+
 def num_splits(batch: int, kv_heads: int, max_context: int, multiprocessors: int, block_n: int = 64) -> int:
     """Splits per (sequence, KV head): none where the grid has three programs per multiprocessor already, else
     enough for about four per multiprocessor, at most one split per ``4 * block_n`` keys of the longest context, a
     power of two, at most 64. At 64 sequences x 8 KV heads on an H200 (132 multiprocessors) one split was faster
-    than two at every context from 192 to 4096 keys (bench/results/h200/speed/attention); at 8 x 8, sixteen were
+    than two at every context from 192 to 4096 keys (bench/results/h200/speed/layers); at 8 x 8, sixteen were
     2.4x faster than one at 4096 keys (bench/results/h200/decode_kernel.json)."""
     programs = batch * kv_heads
     if programs >= 3 * multiprocessors:

@@ -75,7 +75,7 @@ class TritonPagedBackend:
     static_decode = True  # decode_state: the CUDA-graph runner's step
 
     def __init__(self, block_size: int, kv_heads: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                 block_n: int = 64, num_warps: int = 4, num_stages: int = 3):
+                 block_n: int = 64, num_warps: int = 4, num_stages: int | None = None):
         self.block_size = block_size
         self.dtype = dtype
         self.kv_heads = kv_heads
