@@ -66,16 +66,27 @@ class PagedBatch:
                softcap: float | None = None) -> torch.Tensor:
         """q: (N, H, Dk); k: (N, KVH, Dk), v: (N, KVH, Dv) of the new tokens. Writes K/V to the pool, returns
         (N, H, Dv)."""
+        k_pool, v_pool = self.pools(layer, k, v)
+        write = getattr(self.backend, "write_kv", None)  # a backend's one-kernel write (k, v, pools, slots)
+        if write is None or not write(k, v, k_pool, v_pool, self.slot_mapping):
+            k_pool.index_copy_(0, self.slot_mapping, k.to(k_pool.dtype))
+            v_pool.index_copy_(0, self.slot_mapping, v.to(v_pool.dtype))
+        return self.attend_written(layer, q, scale, window, sinks=sinks, softcap=softcap)
+
+    def pools(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V pools, checked against the widths of the new tokens' keys and values."""
         k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
         if k.shape[1:] != k_pool.shape[1:] or v.shape[1:] != v_pool.shape[1:]:
             raise ValueError(f"layer {layer}: keys {tuple(k.shape[1:])} and values {tuple(v.shape[1:])} per token, "
                              f"but the KV pool holds {tuple(k_pool.shape[1:])} and {tuple(v_pool.shape[1:])} "
                              f"(unison.engine.cache.kv_widths does not know this layer's shapes)")
-        write = getattr(self.backend, "write_kv", None)  # a backend's one-kernel write (k, v, pools, slots)
-        if write is None or not write(k, v, k_pool, v_pool, self.slot_mapping):
-            k_pool.index_copy_(0, self.slot_mapping, k.to(k_pool.dtype))
-            v_pool.index_copy_(0, self.slot_mapping, v.to(v_pool.dtype))
-        return self.backend.attend(self.state, k_pool, v_pool, q, scale, window, sinks=sinks, softcap=softcap)
+        return k_pool, v_pool
+
+    def attend_written(self, layer: int, q: torch.Tensor, scale: float, window: int | None,
+                       sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+        """``attend`` once this step's K/V are in the layer's pools (``unison.engine.fused_layer`` writes them)."""
+        return self.backend.attend(self.state, self.pool.k[layer], self.pool.v[layer], q, scale, window, sinks=sinks,
+                                   softcap=softcap)
 
 
 @dataclass

@@ -16,8 +16,8 @@ attention function writes K and V into the pool in a fourth. ``fused_layers(deco
 - every attention of a known class (``fused_rope.ATTENTION_CLASSES``) whose forward is one of the Llama-family
   forms (``attention_form``: q/k norms or not, a sliding window or not), with plain ``nn.Linear`` projections of the
   pool's dtype, on the engine's paged forwards: ``qkv_rope_write`` normalises and rotates q and k, writes k and v
-  at the tokens' pool slots and returns q; the backend then attends over the pool as ``PagedBatch.attend`` does
-  after its own write.
+  at the tokens' pool slots and returns q; ``PagedBatch.attend_written`` then attends over the pool as
+  ``PagedBatch.attend`` does after its own write.
 
 Each kernel rounds where transformers rounds (the sum to the dtype, the normalised value, the weight's product,
 each RoPE product and their sum), so the fused layer computes the layer's function (tests/test_fused_layer.py).
@@ -188,7 +188,7 @@ def _layer_forward(layer: torch.nn.Module, chain: _Chain, next_norm: torch.nn.Mo
     post = layer.post_attention_layernorm
 
     def forward(hidden_states, *args, **kwargs):
-        if args or hidden_states.device.type not in DEVICES:
+        if args:
             chain.take(hidden_states, None)
             return original(hidden_states, *args, **kwargs)
         normed = chain.take(hidden_states, layer.input_layernorm)
@@ -216,6 +216,8 @@ def _norm_forward(norm: torch.nn.Module, chain: _Chain):
 
 def _attention_forward(attn: torch.nn.Module, qk_norm: bool, window: str | None):
     original = attn.forward
+    sliding = attn.sliding_window if window == "layer" else \
+        getattr(attn.config, "sliding_window", None) if window == "config" else None
 
     def forward(hidden_states, *args, **kwargs):
         paged = kwargs.get("paged")
@@ -228,24 +230,19 @@ def _attention_forward(attn: torch.nn.Module, qk_norm: bool, window: str | None)
         q = attn.q_proj(hidden_states).view(n, -1, attn.head_dim)
         k = attn.k_proj(hidden_states).view(n, -1, attn.head_dim)
         v = attn.v_proj(hidden_states).view(n, -1, attn.head_dim)
-        k_pool, v_pool = paged.pool.k[layer], paged.pool.v[layer]
-        if k.shape[1:] != k_pool.shape[1:] or v.shape[1:] != v_pool.shape[1:]:
-            raise ValueError(f"layer {layer}: keys {tuple(k.shape[1:])} and values {tuple(v.shape[1:])} per token, "
-                             f"but the KV pool holds {tuple(k_pool.shape[1:])} and {tuple(v_pool.shape[1:])}")
+        k_pool, v_pool = paged.pools(layer, k, v)
         q = qkv_rope_write(q, k, v, cos[0], sin[0], k_pool, v_pool, paged.slot_mapping,
                            attn.q_norm if qk_norm else None, attn.k_norm if qk_norm else None)
-        sliding = attn.sliding_window if window == "layer" else \
-            getattr(attn.config, "sliding_window", None) if window == "config" else None
-        out = paged.backend.attend(paged.state, k_pool, v_pool, q, attn.scaling, sliding)
+        out = paged.attend_written(layer, q, attn.scaling, sliding)
         return attn.o_proj(out.reshape(1, n, -1)), None
     return forward
 
 
 def _covered(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool, layer: int, head_dim: int) -> bool:
-    """An engine forward (batch 1) on a device of ``DEVICES``, full-width RoPE tables of x's dtype, a plain K/V
-    pool of that dtype (not an MLA latent)."""
+    """An engine forward (batch 1), full-width RoPE tables of x's dtype, a plain K/V pool of that dtype (not an MLA
+    latent)."""
     k_pool, v_pool = pool.k[layer], pool.v[layer]
-    return (x.ndim == 3 and x.shape[0] == 1 and x.device.type in DEVICES and not pool.layers[layer].value_in_key
+    return (x.ndim == 3 and x.shape[0] == 1 and not pool.layers[layer].value_in_key
             and cos.shape == (1, x.shape[1], head_dim) and sin.shape == cos.shape and sin.stride() == cos.stride()
             and cos.stride(-1) == 1 and cos.dtype == sin.dtype == k_pool.dtype == v_pool.dtype == x.dtype
             and k_pool.is_contiguous() and v_pool.is_contiguous())
