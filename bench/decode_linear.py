@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from unison.engine import fused_linear
 
 SHAPES = {"qwen3-0.6b": (1024, 2048, 1024, 3072), "qwen3-1.7b": (2048, 2048, 1024, 6144)}  # hidden, q, kv, inter
-CONFIGS = [(n, k, 4, 3, s) for n in (16, 32, 64) for k in (64, 128, 256) for s in (1, 2, 4, 8)]
-"""(BLOCK_N, BLOCK_K, num_warps, num_stages, splits); BLOCK_M covers the rows (K steps of 256 up to 64 rows)."""
+CONFIGS = [(16, 128, 4, 3), (32, 128, 4, 3), (16, 64, 4, 4), (32, 64, 4, 4), (16, 256, 4, 3), (64, 64, 4, 3),
+           (32, 128, 8, 3), (16, 128, 2, 4)]  # (BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_M covers the rows
 LAYERS = 28
 
 
@@ -84,8 +84,6 @@ def measure(m: int, h: int, w: dict[str, list[torch.Tensor]], bandwidth: float) 
     for name, call in calls.items():
         timings = {}
         for cfg in [None, *CONFIGS]:
-            if cfg is not None and block_m > 64 and cfg[1] > 128:
-                continue
             full = None if cfg is None else (block_m, *cfg)
             try:
                 timings[str(cfg or "default")] = graph_us(lambda i, call=call, full=full: call(i, full))
@@ -95,52 +93,13 @@ def measure(m: int, h: int, w: dict[str, list[torch.Tensor]], bandwidth: float) 
         row[f"{name}_fused_us"] = timings
         row[f"{name}_best"] = min(numeric, key=numeric.get)
         row[f"{name}_best_us"] = numeric[row[f"{name}_best"]]
-        row[f"{name}_top5"] = sorted(numeric.items(), key=lambda kv: kv[1])[:5]
-    return row
-
-
-def chain(m: int, h: int, w: dict[str, list[torch.Tensor]]) -> dict:
-    """A layer's four projection launches in a row (q/k/v, gate/up + SwiGLU, o_proj, down_proj), 28 layers in one
-    graph: o_proj/down_proj through cuBLAS or split over K; launched plainly or with programmatic dependent launch
-    (``fused_linear.PDL``); "prefetch": every launch split into shares of one 256-wide K step, whose weights each
-    program loads before waiting for the launch before it."""
-    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
-    xo = torch.randn(m, w["o"][0].shape[1], device="cuda", dtype=torch.bfloat16)
-    bm = fused_linear.tiles(m)[0]
-    out_cfg = fused_linear.output_tiles(m)
-
-    def step(i, outputs, prefetch=False):
-        k_steps = lambda t: max(1, t.shape[1] // 256)  # noqa: E731
-        cfg = lambda t: (bm, 32, 256, 4, 3, k_steps(t)) if prefetch else None  # noqa: E731
-        fused_linear.project(x, [w["q"][i], w["k"][i], w["v"][i]], config=cfg(w["q"][i]))
-        act = fused_linear.gated(x, w["g"][i], w["u"][i], config=cfg(w["g"][i]))
-        if outputs == "cublas":
-            F.linear(xo, w["o"][i]), F.linear(act, w["d"][i])
-        else:
-            fused_linear.linear(xo, w["o"][i], config=cfg(w["o"][i]) or out_cfg)
-            fused_linear.linear(act, w["d"][i], config=cfg(w["d"][i]) or out_cfg)
-
-    row = {"rows": m}
-    for name, outputs, pdl, prefetch in (("cublas_outputs", "cublas", False, False),
-                                         ("cublas_outputs_pdl", "cublas", True, False),
-                                         ("split_outputs", "split", False, False),
-                                         ("split_outputs_pdl", "split", True, False),
-                                         ("prefetch", "split", False, True), ("prefetch_pdl", "split", True, True)):
-        fused_linear.PDL = pdl
-        try:
-            row[name] = graph_us(lambda i, o=outputs, p=prefetch: step(i, o, p))
-        except Exception as e:  # noqa: BLE001 - a configuration that does not fit, or no PDL in this Triton
-            row[name] = f"{type(e).__name__}: {str(e)[:120]}"
-        finally:
-            fused_linear.PDL = False
     return row
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--rows", type=int, nargs="+", default=[16, 64, 128])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 256])
     p.add_argument("--json", default=None)
-    p.add_argument("--chain", action="store_true", help="only the four launches of a layer in a row (``chain``)")
     args = p.parse_args()
     bandwidth = copy_bandwidth()
     results = []
@@ -150,12 +109,6 @@ def main():
         w = {k: [torch.randn(n, kk, device="cuda", dtype=torch.bfloat16) / kk**0.5 for _ in range(LAYERS)]
              for k, (n, kk) in widths.items()}
         for m in args.rows:
-            if args.chain:
-                row = {"shape": shape, **chain(m, h, w)}
-                results.append(row)
-                print(shape, " ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
-                                      for k, v in row.items() if k != "shape"), flush=True)
-                continue
             row = {"shape": shape, **measure(m, h, w, bandwidth)}
             results.append(row)
             print(f"{shape} rows {m:3d}: qkv cublas {row['qkv_cublas_us']:.1f} fused "

@@ -221,8 +221,6 @@ def main():
     p.add_argument("--no-async", action="store_true", help="synchronous decode steps (engine.async_scheduling=false)")
     p.add_argument("--no-fused-projections", action="store_true",
                    help="cuBLAS's projections in the decode graphs (unison.engine.fused_linear off)")
-    p.add_argument("--no-split-outputs", action="store_true",
-                   help="cuBLAS's o_proj and down_proj in the decode graphs (fused_linear's split-K kernel off)")
     p.add_argument("--no-fused-layers", action="store_true",
                    help="transformers' decoder layers and attention forwards in the engine (unison.engine.fused_layer "
                         "off: separate residual adds, q/k norms, RoPE and K/V write)")
@@ -230,8 +228,6 @@ def main():
     args = p.parse_args()
     if args.no_fused_projections:
         fused_linear.MAX_ROWS = 0
-    if args.no_split_outputs:
-        fused_linear.OUTPUT_MAX_ROWS = 0
     if args.no_fused_layers:
         fused_layer.DEVICES = set()
     workloads = SUITES[args.suite] if args.suite else [
