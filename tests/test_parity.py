@@ -3,6 +3,7 @@ feature unison lacks: an attention bias its attention function ignores, Mamba la
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -112,6 +113,14 @@ def test_guard_refuses_a_conv_behind_a_callable_it_cannot_read(monkeypatch):
     monkeypatch.setattr(lfm2, name, functools.partial(getattr(lfm2, name)))
     with pytest.raises(ValueError, match=rf"Lfm2ShortConv \(layer 0\): .*{name}"):
         check_parity(tiny_hybrid("lfm2"))
+
+
+def test_guard_refuses_two_sequence_modules_in_one_layer():
+    # Inkling2's layers keep several short convs, each with its own state; the engine keeps one state per layer.
+    model = tiny_hybrid("lfm2")
+    model.model.layers[0].second_conv = copy.deepcopy(model.model.layers[0].conv)
+    with pytest.raises(ValueError, match=r"Lfm2ShortConv \(layer 0\): a second sequence module in the layer"):
+        check_parity(model)
 
 
 def test_guard_refuses_an_unknown_head_transform():

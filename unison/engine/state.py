@@ -70,8 +70,12 @@ def state_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def state_layers(model: torch.nn.Module) -> list[StateLayer]:
     """Each state-keeping layer's shapes, in layer order; raises for a mixer the engine cannot run exactly."""
-    layers = []
+    layers, seen = [], {}
     for module in state_modules(model):
+        if module.layer_idx in seen:  # Inkling's several convs per layer, each with its own state (state_idx)
+            raise ValueError(f"{type(module).__name__} (layer {module.layer_idx}): a second sequence module in the "
+                             f"layer of {seen[module.layer_idx]}; unison's engine keeps one state per layer")
+        seen[module.layer_idx] = type(module).__name__
         names = _module_functions(module)
         conv = next(c for c in module.children() if isinstance(c, torch.nn.Conv1d))
         channels, kernel = conv.in_channels, conv.kernel_size[0]
