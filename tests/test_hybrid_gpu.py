@@ -5,7 +5,6 @@ whole models at the bf16 floor; the varlen kernel path against the per-request P
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import sys
 
 import pytest
@@ -14,6 +13,7 @@ from hybrid_models import tiny_hybrid
 from test_architectures_gpu import assert_at_the_bf16_floor
 
 from unison.engine.state import StateLayer, StatePool, StepStates
+from unison.train.boundaries import pytorch_body
 
 pytestmark = pytest.mark.gpu
 FLA = importlib.util.find_spec("fla") is not None
@@ -36,8 +36,8 @@ def test_gated_delta_kernels_from_per_request_states_match_the_reference(single)
 
     model = tiny_hybrid("qwen3_5")
     module = sys.modules[type(model.model.layers[0].linear_attn).__module__]
-    chunk = inspect.unwrap(module.torch_chunk_gated_delta_rule)  # transformers' PyTorch bodies
-    recurrent = inspect.unwrap(module.torch_recurrent_gated_delta_rule)
+    chunk = pytorch_body(module.torch_chunk_gated_delta_rule)  # transformers' PyTorch bodies
+    recurrent = pytorch_body(module.torch_recurrent_gated_delta_rule)
     lengths = [1] * 5 if single else [37, 1, 64, 130, 5]
     heads_k, heads_v, dk, dv, n = 2, 4, 64, 64, sum(lengths)
     g = torch.Generator(device="cuda").manual_seed(0)

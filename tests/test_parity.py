@@ -3,10 +3,14 @@ feature unison lacks: an attention bias its attention function ignores, Mamba la
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import pytest
 import torch
 import transformers
 from conftest import tiny_llama, tiny_qwen3
+from hybrid_models import tiny_hybrid
 from test_head_transforms import COMMON, DoubledLogits, build
 from transformers import GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import (
@@ -97,6 +101,25 @@ def test_guard_refuses_sequence_layers_the_engine_does_not_know():
                                       num_experts=2, mamba_d_state=8, mamba_expand=2, use_mamba_kernels=False)
     model = transformers.JambaForCausalLM._from_config(config, attn_implementation="unison")
     with pytest.raises(ValueError, match=r"JambaMambaMixer \(layer 0\): a sequence layer .* does not run per request"):
+        check_parity(model)
+
+
+def test_guard_refuses_a_conv_behind_a_callable_it_cannot_read(monkeypatch):
+    # transformers reaches the short conv through causal_conv1d_forward (5.25, around its cache) or causal_conv1d_fn
+    # (5.24); under that name a callable unison cannot read (a runtime's, keeping the state itself) is refused by name.
+    import transformers.models.lfm2.modeling_lfm2 as lfm2
+
+    name = "causal_conv1d_forward" if hasattr(lfm2, "causal_conv1d_forward") else "causal_conv1d_fn"
+    monkeypatch.setattr(lfm2, name, functools.partial(getattr(lfm2, name)))
+    with pytest.raises(ValueError, match=rf"Lfm2ShortConv \(layer 0\): .*{name}"):
+        check_parity(tiny_hybrid("lfm2"))
+
+
+def test_guard_refuses_two_sequence_modules_in_one_layer():
+    # Inkling2's layers keep several short convs, each with its own state; the engine keeps one state per layer.
+    model = tiny_hybrid("lfm2")
+    model.model.layers[0].second_conv = copy.deepcopy(model.model.layers[0].conv)
+    with pytest.raises(ValueError, match=r"Lfm2ShortConv \(layer 0\): a second sequence module in the layer"):
         check_parity(model)
 
 

@@ -51,6 +51,15 @@ def _base_plan(model: torch.nn.Module) -> dict[str, str]:
     return getattr(model.config.get_text_config(), "base_model_tp_plan", None) or {}
 
 
+def _expert_styles(model: torch.nn.Module) -> set[str]:
+    """The styles of transformers' expert-parallel plan that place modules of ``model``: its MoE experts, which
+    transformers 5.25 lists there only (5.24 had them in the tensor-parallel plan too, as "moe_tp_experts"), and,
+    for some families (Gemma4), their dense projections' colwise / rowwise."""
+    plan = getattr(model.config.get_text_config(), "base_model_ep_plan", None) or {}
+    names = [name for name, _ in model.named_modules()]
+    return {style for pattern, style in plan.items() if fnmatch.filter(names, f"model.{pattern}")}
+
+
 def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
     """Shard ``model`` in place over the 1-D ``mesh`` by the transformers plan of its family (``colwise`` and
     ``rowwise`` projections as torch's ``ColwiseParallel``/``RowwiseParallel``; see the module docstring for what
@@ -62,6 +71,7 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
         raise ValueError(f"{model.config.model_type}: transformers has no tensor-parallel plan for this model")
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     unknown = {style for style in base.values() if style not in styles and style != PARTIAL_GRAD}
+    unknown |= {f"{style} (expert-parallel)" for style in _expert_styles(model) - {*styles, PARTIAL_GRAD}}
     if unknown:  # MoE experts ("moe_tp_experts"), fused projections ("packed_colwise"), MLA's, vocabulary-sharded ones
         raise ValueError(f"{model.config.model_type}: its tensor-parallel plan has styles unison does not shard "
                          f"({', '.join(sorted(unknown))}), so dist.tp > 1 is refused for it; train it with data "

@@ -7,7 +7,9 @@ running (or parked) request, fp32, advanced by every prefill chunk and decode st
 KV (preemption, a weight update under ``recompute``, lending) and recomputed with it.
 
 transformers' layers compute these sequences through module-level functions (``causal_conv1d_fn``,
-``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``) that ``unison.train.boundaries`` wraps. In an engine forward
+``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``) that ``unison.train.boundaries`` wraps; since 5.25 the conv
+and the scan are reached through helpers around transformers' cache (``causal_conv1d_forward``,
+``mamba2_scan_forward``) which, given no cache (the engine passes none), call the same functions. In an engine forward
 (``paged=`` in the layer's kwargs; a forward pre-hook adds the layer's index as ``state_layer``) the wrappers hand
 the call to the step's ``StepStates``, which runs every request's tokens of the batch-1 row as its own sequence from
 its slot's state and writes the state after them back: the conv over the row with each request's stored inputs in
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from ..train.boundaries import hub_function, keep_samples_apart
 from . import vmm
 
 # What a hybrid layer's forward may call from its modeling module: the sequence functions the engine runs per request
@@ -34,6 +37,9 @@ from . import vmm
 _GATED_DELTA, _MAMBA2, _CONV = "torch_chunk_gated_delta_rule", "mamba2_chunk_scan", "causal_conv1d_fn"
 _KNOWN = {_GATED_DELTA, _MAMBA2, _CONV, "causal_conv1d_update", "torch_recurrent_gated_delta_rule",
           "mamba2_selective_state_update", "mamba2_split_conv1d_scan_combined", "apply_mask_to_padding_states"}
+# transformers' helpers (5.25) that run the conv and the scan around its cache: read through, the functions their
+# bodies call count as the layer's; one whose body cannot be read stays an unknown function and is refused.
+_HELPERS = {"causal_conv1d_forward", "mamba2_scan_forward"}
 
 
 @dataclass(frozen=True)
@@ -64,8 +70,12 @@ def state_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def state_layers(model: torch.nn.Module) -> list[StateLayer]:
     """Each state-keeping layer's shapes, in layer order; raises for a mixer the engine cannot run exactly."""
-    layers = []
+    layers, seen = [], {}
     for module in state_modules(model):
+        if module.layer_idx in seen:  # Inkling's several convs per layer, each with its own state (state_idx)
+            raise ValueError(f"{type(module).__name__} (layer {module.layer_idx}): a second sequence module in the "
+                             f"layer of {seen[module.layer_idx]}; unison's engine keeps one state per layer")
+        seen[module.layer_idx] = type(module).__name__
         names = _module_functions(module)
         conv = next(c for c in module.children() if isinstance(c, torch.nn.Conv1d))
         channels, kernel = conv.in_channels, conv.kernel_size[0]
@@ -87,11 +97,24 @@ def state_layers(model: torch.nn.Module) -> list[StateLayer]:
 
 
 def _module_functions(module: torch.nn.Module) -> set[str]:
-    """The functions of its modeling module that a mixer's forward calls by name."""
+    """The functions of its modeling module that a mixer's forward calls by name, those of transformers' cache
+    helpers (``_HELPERS``) in place of the helper."""
     space = sys.modules[type(module).__module__]
-    names = inspect.unwrap(type(module).forward).__code__.co_names
-    return {n for n in names if inspect.isfunction(getattr(space, n, None)) or hasattr(getattr(space, n, None),
-                                                                                       "__wrapped__")}
+    names = _calls(inspect.unwrap(type(module).forward), space)
+    for helper in names & _HELPERS:
+        fn = hub_function(getattr(space, helper))
+        if fn is not None:
+            names = names - {helper} | _calls(fn, space)
+    return names
+
+
+def _calls(fn, space) -> set[str]:
+    """The names ``fn`` looks up that hold a function in ``space``: anything callable but a class (a plain or
+    wrapped function, a ``kernels`` function module, a callable unison cannot read, which is then refused)."""
+    def is_function(value) -> bool:
+        return callable(value) and not inspect.isclass(value)
+
+    return {n for n in fn.__code__.co_names if is_function(getattr(space, n, None))}
 
 
 def install(model: torch.nn.Module) -> list[StateLayer]:
@@ -100,14 +123,12 @@ def install(model: torch.nn.Module) -> list[StateLayer]:
     layers = state_layers(model)
     if not layers:
         return layers
-    from ..train.boundaries import keep_samples_apart
-
     replaced = {name.rsplit(".", 1)[1] for name in keep_samples_apart(model)}
     for module in state_modules(model):
         missing = sorted(_module_functions(module) & {_GATED_DELTA, _MAMBA2, _CONV} - replaced)
         if missing:
-            raise ValueError(f"{type(module).__name__}: its {', '.join(missing)} has a signature unison does not "
-                             f"know, so the engine cannot give it per-request state")
+            raise ValueError(f"{type(module).__name__} (layer {module.layer_idx}): its {', '.join(missing)} has a "
+                             f"signature unison does not know, so the engine cannot give it per-request state")
         if not getattr(module, "_unison_state_hook", False):
             module.register_forward_pre_hook(_tell_layer, with_kwargs=True)
             module._unison_state_hook = True

@@ -3,11 +3,14 @@
 transformers' hybrid layers (Qwen3Next and Qwen3.5 gated delta-nets, Lfm2's short conv, FalconH1's Mamba2, and the
 families generated from them) call their sequence kernels as module-level functions of their modeling module, under
 the names transformers' kernel hub resolves (``use_kernel_func_from_hub_with_fallback``): ``causal_conv1d_fn``,
-``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``, ``mamba2_split_conv1d_scan_combined``. A packed forward's
-``cu_seq_lens_q`` reaches them in the layer's kwargs, and none of their PyTorch bodies keeps samples apart: the gated
-delta rule refuses the boundaries (``unison train`` stopped at startup), Lfm2's conv ran ~2 tokens across samples,
-FalconH1's conv and scan carried state across them. Dao's ``causal_conv1d`` kernel would not see them either
-(transformers passes no ``seq_idx``).
+``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``, ``mamba2_split_conv1d_scan_combined``. Since 5.25 the conv
+and the scan are reached through helpers around transformers' cache (``causal_conv1d_forward``,
+``mamba2_scan_forward``) that call the same names by module lookup, and where the ``kernels`` package is active (5.25
+requires it) each name holds a ``kernels`` function module rather than the function (``hub_function`` reads both). A
+packed forward's ``cu_seq_lens_q`` reaches them in the layer's kwargs, and none of their PyTorch bodies keeps samples
+apart: the gated delta rule refuses the boundaries (``unison train`` stopped at startup), Lfm2's conv ran ~2 tokens
+across samples, FalconH1's conv and scan carried state across them. Dao's ``causal_conv1d`` kernel would not see them
+either (transformers passes no ``seq_idx``).
 
 ``keep_samples_apart(model)`` replaces each of these names in the modeling modules ``model`` is built from by a
 function that, given boundaries, computes each sample alone and exactly, and otherwise calls the original unchanged
@@ -55,7 +58,8 @@ def keep_samples_apart(model: torch.nn.Module) -> list[str]:
             if original is None or not callable(original):
                 continue
             if not getattr(original, "_unison_keeps_samples_apart", False):
-                if tuple(inspect.signature(inspect.unwrap(original)).parameters)[:len(_SIGNATURES[name])] \
+                fn = hub_function(original)
+                if fn is None or tuple(inspect.signature(inspect.unwrap(fn)).parameters)[:len(_SIGNATURES[name])] \
                         != _SIGNATURES[name]:
                     continue
                 replacement = make(original, module)
@@ -63,6 +67,41 @@ def keep_samples_apart(model: torch.nn.Module) -> list[str]:
                 setattr(module, name, replacement)
             replaced.append(f"{module_name}.{name}")
     return replaced
+
+
+def hub_function(obj) -> Callable | None:
+    """The Python function a modeling module holds under a kernel-hub name, or None for anything else.
+
+    Without the ``kernels`` package, or beside a version transformers does not take (5.24 takes 0.18.2 <= v < 0.19),
+    that is the name's value itself. With it (5.25 requires it), ``kernels.use_kernel_forward_from_hub`` turns the
+    function into the instance of an ``nn.Module`` class ``Func`` whose forward calls it (or, inside a layer that
+    ``kernelize`` prepared, that layer's kernel): the function is the forward's closure cell ``func``."""
+    if inspect.isfunction(obj):
+        return obj
+    forward = getattr(type(obj), "forward", None)
+    if not (isinstance(obj, torch.nn.Module) and hasattr(obj, "kernel_layer_name") and inspect.isfunction(forward)):
+        return None
+    cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or (), strict=True))
+    fn = cells["func"].cell_contents if "func" in cells else None
+    return fn if inspect.isfunction(fn) else None
+
+
+def pytorch_body(value) -> Callable | None:
+    """transformers' own PyTorch body behind a hub name's value, whatever the name resolved to: through unison's
+    replacement, a ``kernels`` function module and transformers' kernel fallback (``__wrapped__``)."""
+    fn = hub_function(inspect.unwrap(value))
+    return None if fn is None else inspect.unwrap(fn)
+
+
+def _wraps(original) -> Callable:
+    """``functools.wraps`` for a hub name's value: the function's name and docstring, ``__wrapped__`` the value
+    itself (a ``kernels`` function module too), so putting ``__wrapped__`` back restores transformers' own."""
+    def decorate(replacement: Callable) -> Callable:
+        functools.update_wrapper(replacement, hub_function(original))
+        replacement.__wrapped__ = original
+        return replacement
+
+    return decorate
 
 
 def segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -104,17 +143,16 @@ def _check_row(name: str, x: torch.Tensor, seq_dim: int, cu: torch.Tensor) -> No
         raise ValueError(f"{name}: the row has {x.shape[seq_dim]} tokens but cu_seqlens ends at {int(cu[-1])}")
 
 
-def _kernel_in_use(original: Callable) -> bool:
-    """Whether transformers resolved the hub function ``original`` to a kernel package (flash-linear-attention,
-    mamba_ssm) rather than its own PyTorch body. A wrapper of another shape counts as PyTorch: the per-sample path
-    is exact either way."""
-    code, closure = getattr(original, "__code__", None), getattr(original, "__closure__", None)
-    if code is None or not closure:
+def _kernel_in_use(fn: Callable) -> bool:
+    """Whether transformers resolved the hub function ``fn`` (``hub_function``'s) to a kernel package
+    (flash-linear-attention, mamba_ssm) rather than its own PyTorch body. A wrapper of another shape counts as
+    PyTorch: the per-sample path is exact either way."""
+    if not fn.__closure__:
         return False
-    cells = dict(zip(code.co_freevars, closure, strict=True))
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__, strict=True))
     if "implementation" not in cells:
         return False
-    return cells["implementation"].cell_contents is not getattr(original, "__wrapped__", None)
+    return cells["implementation"].cell_contents is not getattr(fn, "__wrapped__", None)
 
 
 def _engine_states(kwargs: dict):
@@ -130,7 +168,7 @@ def _engine_states(kwargs: dict):
 
 
 def _conv(original: Callable, module) -> Callable:
-    @functools.wraps(original)
+    @_wraps(original)
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
         engine = _engine_states(kwargs)
         if engine is not None:
@@ -149,10 +187,10 @@ def _conv(original: Callable, module) -> Callable:
 
 
 def _gated_delta_rule(original: Callable, module) -> Callable:
-    kernel = _kernel_in_use(original)
-    body = getattr(original, "__wrapped__", original)  # transformers' PyTorch body, whatever it resolved to
+    kernel = _kernel_in_use(hub_function(original))
+    body = pytorch_body(original)
 
-    @functools.wraps(original)
+    @_wraps(original)
     def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
                                      output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
                                      **kwargs):
@@ -204,10 +242,10 @@ def fla_backward_refused() -> bool:
 
 
 def _mamba2_scan(original: Callable, module) -> Callable:
-    kernel = _kernel_in_use(original)
-    body = getattr(original, "__wrapped__", original)
+    kernel = _kernel_in_use(hub_function(original))
+    body = pytorch_body(original)
 
-    @functools.wraps(original)
+    @_wraps(original)
     def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, *args, **kwargs):
         engine = _engine_states(kwargs)
         if engine is not None:
@@ -236,7 +274,7 @@ def _mamba2_scan(original: Callable, module) -> Callable:
 
 
 def _mamba2_fused(original: Callable, module) -> Callable:
-    @functools.wraps(original)
+    @_wraps(original)
     def mamba2_split_conv1d_scan_combined(*args, **kwargs):
         if _packed_boundaries(kwargs) is not None or _engine_states(kwargs) is not None:
             return None  # the mixer then runs its unfused conv and scan, which keep the samples apart
