@@ -10,12 +10,13 @@ autograd would need the result, so the CPU engine stays exact against eager. The
 model's own path: ``unison.train.fused_experts`` holds the kernels' backward, exact, but slower than grouped_mm's
 at training shapes on the H200 (bench/results/h200/moe_train), so nothing enters it by default.
 
-Supported, exactly two layouts of transformers 5.24: the one most MoE classes share (Qwen2-MoE, Qwen3-MoE, Mixtral,
-GLM4-MoE, DeepSeek-V2/V3 and the others with the default flags): gate and up concatenated in ``gate_up_proj``
-(E, 2I, H), ``down_proj`` (E, H, I), no bias, the default gate with SiLU; and GptOss's: ``gate_up_proj`` (E, H, 2I)
-transposed with gate and up interleaved, ``down_proj`` (E, I, H), both biased, ``GptOssExperts._apply_gate`` (its
-clamped SwiGLU). Neither with a post-expert norm or expert parallelism. Any other layout or gate (a default-gate
-module with biases, a GptOss subclass with its own gate) keeps transformers' path.
+Supported, exactly two layouts of transformers 5.24 and 5.25: the one most MoE classes share (Qwen2-MoE, Qwen3-MoE,
+Mixtral, GLM4-MoE, DeepSeek-V2/V3 and the others with the default flags): gate and up concatenated in
+``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I), no bias, the default gate with SiLU; and GptOss's:
+``gate_up_proj`` (E, H, 2I) transposed with gate and up interleaved, ``down_proj`` (E, I, H), both biased,
+``GptOssExperts._apply_gate`` (its clamped SwiGLU). Neither with a post-expert norm or expert parallelism. Any
+other layout or gate (a default-gate module with biases, a GptOss subclass with its own gate) keeps transformers'
+path.
 
 "unison" is also registered in transformers' ``ALL_EXPERTS_FUNCTIONS``, for a model loaded with
 ``experts_implementation="unison"``; there the fallback is ``grouped_mm``.
