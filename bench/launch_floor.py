@@ -1,7 +1,7 @@
 """What one launch in a decode graph costs before it does any work, and how fast one launch can stream a layer-sized
 weight from memory: the floors under the decode step's projections (issue 23).
 
-    python bench/launch_floor.py --json out.json
+    (cd bench && python launch_floor.py --json out.json)
 
 Each timing replays a CUDA graph of 28 launches (one per layer, each on its own buffer, so every read comes from
 memory: 28 x 12 MB is several times the L2) and reports microseconds per launch:
@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import torch
 import triton
 import triton.language as tl
+from decode_linear import LAYERS, graph_us
 
 from unison.engine import fused_linear
-
-LAYERS = 28
 
 
 @triton.jit
@@ -42,29 +42,26 @@ def _stream(X, Y, share, BLOCK: tl.constexpr):
     tl.store(Y + p, tl.sum(acc))
 
 
-def graph_us(fn, reps: int = 30) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(LAYERS):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(LAYERS):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / reps / LAYERS)
-    return sorted(times)[len(times) // 2]
+def median_us(fn, reps: int = 30) -> float:
+    """The median of five ``decode_linear.graph_us`` timings (each a fresh graph of the LAYERS launches)."""
+    return statistics.median(graph_us(fn, reps) for _ in range(5))
+
+
+def size_rows(mb: int, y: torch.Tensor) -> dict[str, float]:
+    """The stream launches and the projection kernel over LAYERS weights of ``mb`` MB each."""
+    n = mb * 2**20 // 2
+    bufs = [torch.randn(n, device="cuda").bfloat16() for _ in range(LAYERS)]
+    rows = {}
+    for programs in (132, 264, 528, 1056, 2112):
+        for block in (1024, 4096):
+            share = n // programs // block * block
+            if share:
+                rows[f"stream/{mb}/{programs}/{block}"] = median_us(
+                    lambda i, s=share, b=block, g=programs: _stream[(g,)](bufs[i], y, s, BLOCK=b))
+    ws = [b.view(-1, 1024) for b in bufs]
+    x = torch.randn(64, 1024, device="cuda").bfloat16()
+    rows[f"projection/{mb}"] = median_us(lambda i: fused_linear.linear(x, ws[i]))
+    return rows
 
 
 def main():
@@ -72,22 +69,9 @@ def main():
     p.add_argument("--json", default=None)
     args = p.parse_args()
     y = torch.zeros(1 << 16, device="cuda")
-    rows = {"empty": graph_us(lambda i: _empty[(1,)](y))}
+    rows = {"empty": median_us(lambda i: _empty[(1,)](y))}
     for mb in (4, 8, 12):
-        n = mb * 2**20 // 2
-        bufs = [torch.randn(n, device="cuda").bfloat16() for _ in range(LAYERS)]
-        for programs in (132, 264, 528, 1056, 2112):
-            for block in (1024, 4096):
-                share = n // programs // block * block
-                if share == 0:
-                    continue
-                rows[f"stream/{mb}/{programs}/{block}"] = graph_us(
-                    lambda i, s=share, b=block, g=programs: _stream[(g,)](bufs[i], y, s, BLOCK=b))
-        k = 1024
-        ws = [b.view(-1, k) for b in bufs]
-        x = torch.randn(64, k, device="cuda").bfloat16()
-        rows[f"projection/{mb}"] = graph_us(lambda i: fused_linear.linear(x, ws[i]))
-        del bufs, ws
+        rows.update(size_rows(mb, y))
     for name, us in rows.items():
         mb = int(name.split("/")[1]) if "/" in name else 0
         rate = f"{mb * 2**20 / us / 1e6:6.2f} TB/s" if mb else ""
