@@ -38,6 +38,19 @@ def model(request):
     return {"llama": tiny_llama, "qwen3": tiny_qwen3}[request.param]()
 
 
+def count_calls(monkeypatch, module, names) -> dict[str, int]:
+    """Counts the calls of each of ``names`` in ``module`` (each still runs) for the rest of the test."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        fn = getattr(module, name)
+
+        def counted(*a, name=name, fn=fn, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 def random_prompts(lengths, vocab: int = 256, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

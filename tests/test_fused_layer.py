@@ -9,7 +9,7 @@ import importlib
 
 import pytest
 import torch
-from conftest import max_logprob_diff, random_prompts, tiny_llama, tiny_qwen3
+from conftest import count_calls, max_logprob_diff, random_prompts, tiny_llama, tiny_qwen3
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 pytest.importorskip("triton")
@@ -120,14 +120,7 @@ def test_engine_decodes_through_the_fused_layers(family, on_cpu, monkeypatch):
     """Chunked prefill (4 tokens a step), decode through the runner (eager here), prefix sharing in a group: every
     attention through the fused write, every layer through the fused adds, logprobs teacher-forced ones; the
     windowed layers keep their window. The modules' own forwards again after the engine's forwards."""
-    calls = {"qkv_rope_write": 0, "add_rms_norm": 0}
-    for name in calls:
-        fn = getattr(fused_layer, name)
-
-        def counted(*a, name=name, fn=fn, **kw):
-            calls[name] += 1
-            return fn(*a, **kw)
-        monkeypatch.setattr(fused_layer, name, counted)
+    calls = count_calls(monkeypatch, fused_layer, ["qkv_rope_write", "add_rms_norm"])
     model = _tiny(family)
     layers = model.config.num_hidden_layers
     engine = Engine(model, EngineConfig(num_blocks=64, block_size=4, seed=0, attention="triton", max_num_seqs=8,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import max_logprob_diff, random_prompts, tiny_llama, tiny_qwen3
+from conftest import count_calls, max_logprob_diff, random_prompts, tiny_llama, tiny_qwen3
 
 pytest.importorskip("triton")
 
@@ -83,14 +83,7 @@ def test_fused_projections_swap_and_restore(make, on_cpu):
 
 def test_engine_decodes_through_the_fused_projections(on_cpu, monkeypatch):
     """The decode runner's graphs (eager here) run both kernels: the engine's logprobs stay teacher-forced ones."""
-    calls = {"project": 0, "gated": 0}
-    for name in calls:
-        fn = getattr(fused_linear, name)
-
-        def counted(*a, name=name, fn=fn, **kw):
-            calls[name] += 1
-            return fn(*a, **kw)
-        monkeypatch.setattr(fused_linear, name, counted)
+    calls = count_calls(monkeypatch, fused_linear, ["project", "gated"])
     model = tiny_qwen3()
     engine = Engine(model, EngineConfig(num_blocks=64, block_size=4, seed=0, attention="triton", max_num_seqs=4))
     done = engine.generate(random_prompts([5, 9]), SamplingParams(max_new_tokens=6, stop_token_ids=()))
