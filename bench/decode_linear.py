@@ -1,5 +1,6 @@
 """A decode step's projections at decode row counts, per layer: transformers' separate ``nn.Linear`` calls (cuBLAS)
-and its SiLU and product, against ``unison.engine.fused_linear``'s kernels in several tile configurations.
+and its SiLU and product, against ``unison.engine.triton_linear``'s kernels (which ``fused_linear`` swaps in) in
+several tile configurations and ways of loading their tiles.
 
     python bench/decode_linear.py --json out.json
 
@@ -17,11 +18,13 @@ import json
 import torch
 import torch.nn.functional as F
 
-from unison.engine import fused_linear
+from unison.engine import triton_linear
 
 SHAPES = {"qwen3-0.6b": (1024, 2048, 1024, 3072), "qwen3-1.7b": (2048, 2048, 1024, 6144)}  # hidden, q, kv, inter
-CONFIGS = [(16, 128, 4, 3), (32, 128, 4, 3), (16, 64, 4, 4), (32, 64, 4, 4), (16, 256, 4, 3), (64, 64, 4, 3),
-           (32, 128, 8, 3), (16, 128, 2, 4)]  # (BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_M covers the rows
+CONFIGS = [(32, 128, 4, 5), (32, 128, 4, 4), (32, 128, 4, 8), (64, 128, 4, 5), (32, 64, 4, 5), (32, 64, 4, 3),
+           (64, 64, 4, 3), (16, 128, 4, 5), (16, 64, 4, 5)]
+"""(BLOCK_N, BLOCK_K, num_warps, num_stages) with x through a descriptor (loads "tma"); BLOCK_M covers the rows. The
+pointer kernels run their default tiles ("pointer")."""
 LAYERS = 28
 
 
@@ -76,19 +79,19 @@ def measure(m: int, h: int, w: dict[str, list[torch.Tensor]], bandwidth: float) 
     row["down_roofline_us"] = 2 * wd[0].numel() / bandwidth * 1e6
     row["o_cublas_us"] = graph_us(lambda i: F.linear(xo, wo[i]))
     row["down_cublas_us"] = graph_us(lambda i: F.linear(xd, wd[i]))
-    block_m = fused_linear.tiles(m)[0]
-    calls = {"qkv": lambda i, c: fused_linear.project(x, [wq[i], wk[i], wv[i]], config=c),
-             "mlp_in": lambda i, c: fused_linear.gated(x, wg[i], wu[i], config=c),
-             "o": lambda i, c: fused_linear.linear(xo, wo[i], config=c),
-             "down": lambda i, c: fused_linear.linear(xd, wd[i], config=c)}
+    block_m = triton_linear.tiles(m)[0]
+    calls = {"qkv": lambda i, c, lo: triton_linear.project(x, [wq[i], wk[i], wv[i]], config=c, loads=lo),
+             "mlp_in": lambda i, c, lo: triton_linear.gated(x, wg[i], wu[i], config=c, loads=lo),
+             "o": lambda i, c, lo: triton_linear.linear(xo, wo[i], config=c, loads=lo),
+             "down": lambda i, c, lo: triton_linear.linear(xd, wd[i], config=c, loads=lo)}
     for name, call in calls.items():
         timings = {}
-        for cfg in [None, *CONFIGS]:
-            full = None if cfg is None else (block_m, *cfg)
+        for label, cfg, loads in [("default", None, None), ("pointer", None, "pointer"),
+                                  *((f"tma{c}", (block_m, *c), "tma") for c in CONFIGS)]:
             try:
-                timings[str(cfg or "default")] = graph_us(lambda i, call=call, full=full: call(i, full))
+                timings[label] = graph_us(lambda i, call=call, cfg=cfg, loads=loads: call(i, cfg, loads))
             except Exception as e:  # a configuration that does not fit (shared memory, registers)
-                timings[str(cfg)] = f"{type(e).__name__}"
+                timings[label] = f"{type(e).__name__}"
         numeric = {k: v for k, v in timings.items() if isinstance(v, float)}
         row[f"{name}_fused_us"] = timings
         row[f"{name}_best"] = min(numeric, key=numeric.get)

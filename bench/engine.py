@@ -23,7 +23,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
 
-from unison.engine import Engine, EngineConfig, SamplingParams, fused_layer, fused_linear
+from unison.engine import Engine, EngineConfig, SamplingParams, fused_layer, fused_linear, triton_linear
 from unison.engine.lm_head import lm_head_fp32
 
 SHAPES = {
@@ -61,8 +61,8 @@ def build(shape: str, device: str, dtype: torch.dtype, attn: str) -> torch.nn.Mo
     return model.eval()
 
 
-def prompts_for(vocab: int, n: int, length: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
+def prompts_for(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
     return [torch.randint(10, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
@@ -83,8 +83,13 @@ def run_unison(model, prompts, new: int, args, attention: str = "auto") -> tuple
     engine = Engine(model, EngineConfig(num_blocks=blocks, block_size=args.block_size, seed=0, attention=attention,
                                         max_batch_tokens=args.max_batch_tokens, max_num_seqs=len(prompts),
                                         async_scheduling=not args.no_async))
-    # Warm-up at the same concurrency: compiles the kernels and captures the decode graphs the run will use.
-    engine.generate(prompts, SamplingParams(max_new_tokens=4, stop_token_ids=()))
+    # Warm-up at the same concurrency on other prompts of the same lengths: compiles the kernels and captures the
+    # decode graphs the run will use, and leaves none of the run's prompts in the prefix cache. (With the run's own
+    # prompts the run prefilled an eighth of them, a step no warm-up had compiled: 0.04-0.39 s, run to run, of a
+    # 1.1-1.5 s run at 256 requests, bench/results/h200/speed/tma/timeline_*.json.)
+    vocab = model.config.vocab_size
+    engine.generate(prompts_for(vocab, len(prompts), len(prompts[0]), seed=1), SamplingParams(max_new_tokens=4,
+                                                                                              stop_token_ids=()))
     sync(args.device)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -221,13 +226,21 @@ def main():
     p.add_argument("--no-async", action="store_true", help="synchronous decode steps (engine.async_scheduling=false)")
     p.add_argument("--no-fused-projections", action="store_true",
                    help="cuBLAS's projections in the decode graphs (unison.engine.fused_linear off)")
+    p.add_argument("--fused-rows", type=int, default=None,
+                   help="the most rows the fused projections take (fused_linear.MAX_ROWS; more take cuBLAS's)")
+    p.add_argument("--pointer-loads", action="store_true",
+                   help="the fused projections' pointer-load kernels where tensor descriptors would run")
     p.add_argument("--no-fused-layers", action="store_true",
                    help="transformers' decoder layers and attention forwards in the engine (unison.engine.fused_layer "
                         "off: separate residual adds, q/k norms, RoPE and K/V write)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
+    if args.fused_rows is not None:
+        fused_linear.MAX_ROWS = args.fused_rows
     if args.no_fused_projections:
         fused_linear.MAX_ROWS = 0
+    if args.pointer_loads:
+        triton_linear.loads_for = lambda x, weights: "pointer"
     if args.no_fused_layers:
         fused_layer.DEVICES = set()
     workloads = SUITES[args.suite] if args.suite else [

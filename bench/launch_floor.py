@@ -9,7 +9,8 @@ memory: 28 x 12 MB is several times the L2) and reports microseconds per launch:
 - ``empty``: a one-program kernel that stores one value (the launch alone);
 - ``stream/<MB>/<programs>``: <programs> programs read a <MB> MB bf16 buffer once (each a contiguous share, in
   BLOCK-wide loads) and store one sum each: the least time a projection reading that weight can take;
-- ``projection/<MB>``: unison's fused_linear kernel on a weight of that size at 64 rows (1024 wide in), the real one.
+- ``projection/<MB>``: unison's projection kernel (``triton_linear.linear``) on a weight of that size at 64 rows
+  (1024 wide in), the real one.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 from decode_linear import LAYERS, graph_us
 
-from unison.engine import fused_linear
+from unison.engine import triton_linear
 
 
 @triton.jit
@@ -60,7 +61,7 @@ def size_rows(mb: int, y: torch.Tensor) -> dict[str, float]:
                     lambda i, s=share, b=block, g=programs: _stream[(g,)](bufs[i], y, s, BLOCK=b))
     ws = [b.view(-1, 1024) for b in bufs]
     x = torch.randn(64, 1024, device="cuda").bfloat16()
-    rows[f"projection/{mb}"] = median_us(lambda i: fused_linear.linear(x, ws[i]))
+    rows[f"projection/{mb}"] = median_us(lambda i: triton_linear.linear(x, ws[i]))
     return rows
 
 

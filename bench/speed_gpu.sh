@@ -55,13 +55,14 @@ for mode in "${@:-profile}"; do
       done ;;
     decode)  # VARIANTS_64 / VARIANTS_256: the bench/engine.py flags run at each concurrency ("-" alone: as is)
       (cd bench
-       python3 decode_linear.py --rows ${ROWS:-1 16 64 128} --json "$out/decode_linear.json" 2>&1 | quiet 16
+       [[ -n ${ROWS-x} ]] && python3 decode_linear.py --rows ${ROWS:-1 16 64 128} --json "$out/decode_linear.json" 2>&1 \
+         | quiet 16
        for c in 64 256; do
          var=VARIANTS_$c
          for v in ${!var:-- --no-async --no-fused-projections}; do
            [[ $v == - ]] && v=""
-           python3 engine.py --device cuda --shape qwen3-0.6b --concurrency $c --prompt 128 --new 256 $v \
-             --json "$out/engine_0.6b_${c}${v//-/_}.json" 2>&1 | grep "tok/s (" | sed "s/^/[${v:-default}] /"
+           python3 engine.py --device cuda --shape qwen3-0.6b --concurrency $c --prompt 128 --new 256 ${v//,/ } \
+             --json "$out/engine_0.6b_${c}${v//[-,]/_}.json" 2>&1 | grep "tok/s (" | sed "s/^/[${v:-default}] /"
          done
        done) ;;
     rollout)

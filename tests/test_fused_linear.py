@@ -10,32 +10,58 @@ from conftest import count_calls, max_logprob_diff, random_prompts, tiny_llama, 
 
 pytest.importorskip("triton")
 
-from unison.engine import Engine, EngineConfig, SamplingParams, fused_linear  # noqa: E402
-from unison.engine.fused_linear import fused_projections, gated, linear, project  # noqa: E402
+from unison.engine import Engine, EngineConfig, SamplingParams, fused_linear, triton_linear  # noqa: E402
+from unison.engine.fused_linear import fused_projections  # noqa: E402
+from unison.engine.triton_linear import gated, linear, project  # noqa: E402
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 37])
 @pytest.mark.parametrize("bias", [False, True])
-def test_project_equals_three_linears(rows, bias):
+@pytest.mark.parametrize("loads", ["tma", "pointer"])
+def test_project_equals_three_linears(rows, bias, loads):
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=g)
     weights = [torch.randn(n, 96, generator=g) / 10 for n in (64, 40, 24)]  # widths not multiples of the tile
     biases = [torch.randn(n, generator=g) for n in (64, 40, 24)] if bias else None
-    outs = project(x, weights, biases)
+    outs = project(x, weights, biases, loads=loads)
     for i, (out, w) in enumerate(zip(outs, weights, strict=True)):
         ref = F.linear(x, w, biases[i] if bias else None)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(linear(x, w, biases[i] if bias else None), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(linear(x, w, biases[i] if bias else None, loads=loads), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_loads_through_descriptors_only_where_every_row_is_aligned():
+    """Tensor descriptors need 16-byte aligned rows (fp32 in the interpreter, whose 16-bit descriptor loads are
+    wrong): a row of 94 floats or a base 8 bytes off takes the pointer kernels, and computes the same."""
+    x = torch.randn(6, 100)
+    w = torch.randn(40, 96)
+    assert triton_linear.loads_for(x[:, :96], [w]) == "tma"
+    assert triton_linear.loads_for(x.bfloat16()[:, :96], [w.bfloat16()]) == "pointer"
+    odd = [x[:, 2:96], x.view(-1)[2:2 + 6 * 96].view(6, 96)]  # rows 94 wide (376 bytes); a base 8 bytes off
+    assert [triton_linear.loads_for(o, [w[:, :o.shape[1]]]) for o in odd] == ["pointer", "pointer"]
+    torch.testing.assert_close(linear(odd[1], w), F.linear(odd[1], w), atol=1e-5, rtol=1e-5)
+
+
+def test_more_rows_than_one_wave_holds_take_cublas():
+    """Up to 64 rows the kernels take any width; above, only a width whose column tiles fit one wave of programs
+    (132 multiprocessors: 0.6B's 3072-wide gate/up in 96 tiles yes, 1.7B's 6144-wide in 192 no); past MAX_ROWS
+    none."""
+    takes = fused_linear.takes
+    assert takes(64, 6144, 32, 132) and takes(256, 3072, 32, 132) and takes(256, 4096, 32, 132)
+    assert not takes(65, 6144, 32, 132) and not takes(256, 4225, 32, 132)
+    assert not takes(fused_linear.MAX_ROWS + 1, 64, 32, 132)
 
 
 @pytest.mark.parametrize("rows", [3, 20])
-def test_gated_equals_swiglu(rows):
+@pytest.mark.parametrize("loads", ["tma", "pointer"])
+def test_gated_equals_swiglu(rows, loads):
     """fp32 here: Triton's interpreter truncates fp32 to bf16 where the GPU rounds to nearest, so the bf16 roundings
     are tested on the GPU (tests/test_triton_gpu.py)."""
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 160, generator=g)  # K = 160: a partial last K step
     gate, up = (torch.randn(72, 160, generator=g).div(8) for _ in range(2))
-    torch.testing.assert_close(gated(x, gate, up), F.silu(F.linear(x, gate)) * F.linear(x, up), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gated(x, gate, up, loads=loads), F.silu(F.linear(x, gate)) * F.linear(x, up), atol=1e-5,
+                               rtol=1e-5)
 
 
 @pytest.fixture
@@ -45,36 +71,22 @@ def on_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_qwen3])
-def test_fused_projections_swap_and_restore(make, on_cpu):
+def test_fused_projections_swap_and_restore(make, on_cpu, monkeypatch):
     """Every layer's attention and MLP switched inside the block: the model's output as before; outside it the
-    modules' own forward again; more rows than the kernels take fall through to PyTorch's (MAX_ROWS set low, which
-    the output projections' own limit does not follow)."""
+    modules' own forward again; more rows than the kernels take fall through to PyTorch's (MAX_ROWS set low); the
+    output projections keep PyTorch's (no single-weight kernel is swapped in)."""
     model = make()
     ids = torch.randint(3, 256, (1, 9))
     with torch.no_grad():
         ref = model(ids).logits
-        calls = {"project": 0, "gated": 0, "linear": 0}
-        originals = fused_linear.project, fused_linear.gated, fused_linear.linear
-
-        def counted(name, fn):
-            def wrapper(*a, **kw):
-                calls[name] += 1
-                return fn(*a, **kw)
-            return wrapper
-        fused_linear.project, fused_linear.gated, fused_linear.linear = (
-            counted(name, fn) for name, fn in zip(calls, originals, strict=True))
-        try:
-            with fused_projections(model) as switched:
-                out = model(ids).logits
-                assert switched == 2 * model.config.num_hidden_layers
-                saved, fused_linear.MAX_ROWS = fused_linear.MAX_ROWS, 4
-                try:
-                    model(ids)  # 9 rows > 4: PyTorch's projections
-                finally:
-                    fused_linear.MAX_ROWS = saved
-        finally:
-            fused_linear.project, fused_linear.gated, fused_linear.linear = originals
-        assert calls == {"project": 2, "gated": 2, "linear": 0}  # the first forward only, once per layer each
+        calls = count_calls(monkeypatch, fused_linear, ["project", "gated"])
+        single = count_calls(monkeypatch, triton_linear, ["linear"])
+        with fused_projections(model) as switched:
+            out = model(ids).logits
+            assert switched == 2 * model.config.num_hidden_layers
+            monkeypatch.setattr(fused_linear, "MAX_ROWS", 4)
+            model(ids)  # 9 rows > 4: PyTorch's projections
+        assert calls == {"project": 2, "gated": 2} and single == {"linear": 0}  # the first forward, once per layer
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
         layer = model.model.layers[0]
         for module in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp, layer.mlp.down_proj):

@@ -216,12 +216,18 @@ def test_chunks_with_sinks_and_mla_widths_match_reference():
     assert outs[1].shape == (q.shape[0], heads, v_dim) and rel < 1e-2
 
 
-@pytest.mark.parametrize("rows", [1, 7, 64, 128])  # up to fused_linear.MAX_ROWS
+@pytest.mark.parametrize("rows", [1, 7, 64, 128, 256])  # up to fused_linear's row limits
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_projections_on_gpu_at_the_bf16_floor(rows, bias):
-    """bf16 q/k/v in one launch, each alone, and gate/up with SwiGLU in another, at the 0.6B shape: each within
-    cuBLAS's own distance of the fp64 result (the summation order differs, not the roundings)."""
-    from unison.engine.fused_linear import gated, linear, project
+@pytest.mark.parametrize("loads", ["tma", "pointer"])
+def test_fused_projections_on_gpu_at_the_bf16_floor(rows, bias, loads):
+    """bf16 q/k/v in one launch, each alone, and gate/up with SwiGLU in another, at the 0.6B shape, through tensor
+    descriptors and through pointer loads: each within cuBLAS's own distance of the fp64 result (the summation order
+    differs, not the roundings)."""
+    from functools import partial
+
+    from unison.engine import triton_linear
+    gated, linear, project = (partial(f, loads=loads) for f in (triton_linear.gated, triton_linear.linear,
+                                                                triton_linear.project))
     g = torch.Generator("cuda").manual_seed(rows + bias)
     h, widths = 1024, (2048, 1024, 1024)
     x = torch.randn(rows, h, generator=g, device="cuda").bfloat16()

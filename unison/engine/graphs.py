@@ -44,7 +44,7 @@ from .triton_backend import TritonPagedBackend
 @contextmanager
 def fused_kernels(decoder: torch.nn.Module):
     """The engine's forwards run inside this: every RMSNorm one kernel, RoPE of q and k one, (on the GPU, up to
-    ``fused_linear.MAX_ROWS`` rows) the q/k/v and gate/up projections one each, and (on the GPU) each residual add
+    ``fused_linear``'s row limits) the q/k/v and gate/up projections one each, and (on the GPU) each residual add
     in its norm's kernel, q/k norms, RoPE and the K/V write in one (``fused_layer``)."""
     with fused_norms(decoder), fused_rope(decoder), fused_projections(decoder), fused_layers(decoder):
         yield

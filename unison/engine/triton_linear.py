@@ -1,0 +1,198 @@
+"""The decode step's projection kernels (``unison.engine.fused_linear`` swaps them in): x @ w.T for a few rows, with
+every row in one tile and the weight's columns spread over the programs.
+
+- ``project``: the tiles of three weights' outputs side by side in one launch (q/k/v), ``linear`` one weight;
+- ``gated``: a tile of gate and of up for the same columns, written as silu(gate) * up (SwiGLU's first half).
+
+At 64 rows each program re-reads all of x (128 KiB at 1024 wide) for 64 KiB of weight, so x's tiles are most of
+what a program loads, from L2. Loads (``loads_for``): "tma" brings x's tiles with the copy engine of a Hopper GPU,
+five stages deep; "pointer" through pointers (older GPUs, rows not 16-byte aligned). Rounding as transformers':
+fp32 accumulation, the bias added in fp32, one rounding to the weights' dtype; silu(gate) and the product each
+rounded as PyTorch rounds them. The summation order is not cuBLAS's, so results
+agree to the dtype's rounding (tests/test_fused_linear.py, tests/test_triton_gpu.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+LOADS = ("tma", "pointer")
+"""How x's tiles reach a program: through a tensor descriptor (the copy engine), or through pointers; the weights'
+tiles come through pointers either way (bench/results/h200/speed/tma/: descriptors for the weights too, made on the
+device where a program picks one of three weights, were 0.7 us slower at 64 rows)."""
+
+
+@triton.jit
+def _x_tile(X, x_desc, M, K, stride_x, k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, X_TMA: tl.constexpr):
+    if X_TMA:  # rows and columns past the ends arrive as zeros
+        return x_desc.load([0, k])
+    rows = tl.arange(0, BLOCK_M)
+    ks = k + tl.arange(0, BLOCK_K)
+    return tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=(rows < M)[:, None] & (ks < K)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _w_tile(W, N, K, col0, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    cols = col0 + tl.arange(0, BLOCK_N)
+    ks = k + tl.arange(0, BLOCK_K)
+    return tl.load(W + cols[:, None].to(tl.int64) * K + ks[None, :], mask=(cols < N)[:, None] & (ks < K)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _dot(x, w, acc, PRECISION: tl.constexpr):
+    if PRECISION == "ieee":
+        x, w = x.to(tl.float32), w.to(tl.float32)
+    return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _project_kernel(X, x_desc, W0, W1, W2, B0, B1, B2, Y0, Y1, Y2, M, K, N0, N1, N2, T0, T1, stride_x,
+                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr, X_TMA: tl.constexpr, STAGES: tl.constexpr):
+    """Program p: output tile p of the three projections' tiles side by side (T0 of the first, T1 of the second).
+    One loop for whichever weight the program takes, so its pipeline stages are allocated once (a loop per weight
+    took three times the shared memory)."""
+    p = tl.program_id(0)
+    if p < T0:
+        W, B, Y, N, tile = W0, B0, Y0, N0, p
+    elif p < T0 + T1:
+        W, B, Y, N, tile = W1, B1, Y1, N1, p - T0
+    else:
+        W, B, Y, N, tile = W2, B2, Y2, N2, p - T0 - T1
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        x = _x_tile(X, x_desc, M, K, stride_x, k, BLOCK_M, BLOCK_K, X_TMA)
+        w = _w_tile(W, N, K, tile * BLOCK_N, k, BLOCK_N, BLOCK_K)
+        acc = _dot(x, w, acc, PRECISION)
+    rows = tl.arange(0, BLOCK_M)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    if HAS_BIAS:
+        acc += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * N + cols[None, :], acc.to(Y.dtype.element_ty),
+             mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gated_kernel(X, x_desc, G, U, Y, M, K, N, stride_x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, X_TMA: tl.constexpr, STAGES: tl.constexpr):
+    """Program p: columns tile p of silu(X @ G.T) * (X @ U.T), each product rounded to Y's dtype first."""
+    p = tl.program_id(0)
+    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        x = _x_tile(X, x_desc, M, K, stride_x, k, BLOCK_M, BLOCK_K, X_TMA)
+        gate = _dot(x, _w_tile(G, N, K, p * BLOCK_N, k, BLOCK_N, BLOCK_K), gate, PRECISION)
+        up = _dot(x, _w_tile(U, N, K, p * BLOCK_N, k, BLOCK_N, BLOCK_K), up, PRECISION)
+    rows = tl.arange(0, BLOCK_M)
+    cols = p * BLOCK_N + tl.arange(0, BLOCK_N)
+    gate = gate.to(Y.dtype.element_ty).to(tl.float32)
+    up = up.to(Y.dtype.element_ty).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty).to(tl.float32)  # PyTorch's silu, then rounded
+    tl.store(Y + rows[:, None] * N + cols[None, :], (act * up).to(Y.dtype.element_ty),
+             mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+def tiles(m: int, loads: str = "tma", element_size: int = 2) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for m rows: every row in one tile, narrow column tiles (a
+    1024-wide output spreads over 32-64 programs). With x through a descriptor: five stages of 128-wide K steps up to
+    64 rows, 64-wide from there (what fits the shared memory at 256 rows), the fastest in bench/decode_linear.py's
+    sweep on an H200 (bench/results/h200/speed/tma/decode_linear.json); through pointers: the fastest of its earlier
+    sweep (bench/results/h200/speed/decode/run3/decode_linear.json). fp32 tiles take half as wide K steps."""
+    block_m = max(16, triton.next_power_of_2(m))
+    if loads == "tma":
+        config = (block_m, 32, 128, 4, 5) if block_m <= 64 else (block_m, 32, 64, 4, 5)
+    elif block_m <= 16:
+        config = block_m, 16, 128, 2, 4
+    elif block_m <= 64:
+        config = block_m, 32, 128, 4, 3
+    else:
+        config = (block_m, 32, 64, 4, 4) if block_m <= 128 else (block_m, 32, 64, 4, 3)
+    if element_size > 2:
+        config = (*config[:2], config[2] // 2, *config[3:])
+    return config
+
+
+def _precision(x: torch.Tensor) -> str:
+    """fp32 products in full precision, as PyTorch's matmuls (Triton's default for fp32 dots would be tf32); the
+    interpreter (the CPU tests) multiplies 16-bit floats as fp32, exactly as the GPU's fp32-accumulating dots do (it
+    has no bf16 matmul of its own)."""
+    return "ieee" if x.dtype == torch.float32 or _INTERPRETED else "tf32"
+
+
+def loads_for(x: torch.Tensor, weights: list[torch.Tensor]) -> str:
+    """"tma" where the tiles can come through tensor descriptors: the copy engine of a Hopper GPU or later (in the
+    interpreter fp32 only: its 16-bit descriptor loads are wrong), every row 16-byte aligned; else "pointer"."""
+    if _INTERPRETED:
+        capable = x.dtype == torch.float32
+    else:
+        capable = x.is_cuda and _capability(x.device) >= (9, 0)
+    aligned = all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x, *weights))
+    return "tma" if capable and aligned else "pointer"
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _x_descriptor(x: torch.Tensor, block_m: int, block_k: int, loads: str) -> TensorDescriptor | torch.Tensor:
+    """x's tensor descriptor (host-made: the launch passes it by value, a graph keeps it), or x where none is used."""
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, block_k]) if loads == "tma" else x
+
+
+def _check_loads(loads: str) -> str:
+    if loads not in LOADS:
+        raise ValueError(f"loads={loads!r}: one of {LOADS}")
+    return loads
+
+
+def project(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None,
+            config: tuple[int, int, int, int, int] | None = None, loads: str | None = None) -> list[torch.Tensor]:
+    """[x @ w.T (+ b) for each of three weights], x: (M, K) with few rows, in one launch; ``config``: the ``tiles``
+    to use, ``loads``: one of LOADS (the benchmark's sweep; by default ``loads_for``'s)."""
+    outs = [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
+    _launch_project(x, weights, biases, outs, [w.shape[0] for w in weights], config, loads)
+    return outs
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           config: tuple[int, int, int, int, int] | None = None, loads: str | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) through the same kernel (the weight in the first place, no tiles of the others)."""
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    _launch_project(x, [weight] * 3, None if bias is None else [bias] * 3, [out] * 3, [weight.shape[0], 0, 0],
+                    config, loads)
+    return out
+
+
+def _launch_project(x, weights, biases, outs, widths, config, loads) -> None:
+    m, k = x.shape
+    loads = _check_loads(loads or loads_for(x, weights))
+    block_m, block_n, block_k, warps, stages = config or tiles(m, loads, x.element_size())
+    counts = [triton.cdiv(n, block_n) for n in widths]
+    _project_kernel[(sum(counts),)](
+        x, _x_descriptor(x, block_m, block_k, loads), *weights, *(biases or weights), *outs, m, k, *widths,
+        counts[0], counts[1], x.stride(0), HAS_BIAS=biases is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, PRECISION=_precision(x), X_TMA=loads == "tma", STAGES=stages, num_warps=warps)
+
+
+def gated(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+          config: tuple[int, int, int, int, int] | None = None, loads: str | None = None) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T), x: (M, K) with few rows, in one launch."""
+    m, k = x.shape
+    loads = _check_loads(loads or loads_for(x, [gate, up]))
+    block_m, block_n, block_k, warps, stages = config or tiles(m, loads, x.element_size())
+    out = x.new_empty(m, gate.shape[0])
+    _gated_kernel[(triton.cdiv(gate.shape[0], block_n),)](
+        x, _x_descriptor(x, block_m, block_k, loads), gate, up, out, m, k, gate.shape[0], x.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(x), X_TMA=loads == "tma",
+        STAGES=stages, num_warps=warps)
+    return out
