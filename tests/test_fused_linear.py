@@ -35,10 +35,10 @@ def test_loads_through_descriptors_only_where_every_row_is_aligned():
     wrong): a row of 94 floats or a base 8 bytes off takes the pointer kernels, and computes the same."""
     x = torch.randn(6, 100)
     w = torch.randn(40, 96)
-    assert triton_linear.loads_for(x[:, :96], [w]) == "tma"
-    assert triton_linear.loads_for(x.bfloat16()[:, :96], [w.bfloat16()]) == "pointer"
+    assert triton_linear.loads_for(x[:, :96], [w], 40) == "tma"
+    assert triton_linear.loads_for(x.bfloat16()[:, :96], [w.bfloat16()], 40) == "pointer"
     odd = [x[:, 2:96], x.view(-1)[2:2 + 6 * 96].view(6, 96)]  # rows 94 wide (376 bytes); a base 8 bytes off
-    assert [triton_linear.loads_for(o, [w[:, :o.shape[1]]]) for o in odd] == ["pointer", "pointer"]
+    assert [triton_linear.loads_for(o, [w[:, :o.shape[1]]], 40) for o in odd] == ["pointer", "pointer"]
     torch.testing.assert_close(linear(odd[1], w), F.linear(odd[1], w), atol=1e-5, rtol=1e-5)
 
 

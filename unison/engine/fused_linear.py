@@ -22,7 +22,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from .triton_linear import gated, loads_for, project, tiles
+from .triton_linear import gated, loads_for, multiprocessors, project, tiles
 
 MLP_CLASSES = {"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"}
 _MLP_SOURCE = "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"  # checked at switch time
@@ -59,8 +59,8 @@ def _rows(x: torch.Tensor, weight: torch.Tensor, width: int) -> torch.Tensor | N
             or x.device.type not in DEVICES):
         return None
     if x.is_cuda:
-        tile = tiles(rows.shape[0], loads_for(rows, [weight]), x.element_size())[1]
-        if not takes(rows.shape[0], width, tile, _multiprocessors(x.device)):
+        tile = tiles(rows.shape[0], loads_for(rows, [weight], width), x.element_size())[1]
+        if not takes(rows.shape[0], width, tile, multiprocessors(x.device)):
             return None
     return rows
 
@@ -69,11 +69,6 @@ def takes(m: int, width: int, tile: int, multiprocessors: int) -> bool:
     """Whether the kernels take m rows of a ``width``-wide output in column tiles of ``tile``: up to ONE_WAVE_ROWS
     rows always, up to MAX_ROWS where the tiles fit one wave."""
     return m <= MAX_ROWS and (m <= ONE_WAVE_ROWS or -(-width // tile) <= multiprocessors)
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 

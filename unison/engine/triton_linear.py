@@ -128,13 +128,18 @@ def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 or _INTERPRETED else "tf32"
 
 
-def loads_for(x: torch.Tensor, weights: list[torch.Tensor]) -> str:
-    """"tma" where the tiles can come through tensor descriptors: the copy engine of a Hopper GPU or later (in the
-    interpreter fp32 only: its 16-bit descriptor loads are wrong), every row 16-byte aligned; else "pointer"."""
+def loads_for(x: torch.Tensor, weights: list[torch.Tensor], width: int) -> str:
+    """"tma" where x's tiles can come through a tensor descriptor: the copy engine of a Hopper GPU or later (in the
+    interpreter fp32 only: its 16-bit descriptor loads are wrong), every row 16-byte aligned, and the ``width``
+    output columns' tiles one wave of programs; else "pointer". Five stages fill a multiprocessor's shared memory
+    where the pointer kernels' fewer stages leave room for two programs: 1.7B's 6144-wide gate/up (192 tiles) took
+    18.9 us a layer at 64 rows through descriptors, 17.0 through pointers (15.9 and 15.0 at 16 rows;
+    bench/results/h200/speed/tma/decode_linear_sweep.json, "tma-x" there)."""
     if _INTERPRETED:
         capable = x.dtype == torch.float32
     else:
-        capable = x.is_cuda and _capability(x.device) >= (9, 0)
+        capable = (x.is_cuda and _capability(x.device) >= (9, 0)
+                   and -(-width // tiles(x.shape[0], "tma", x.element_size())[1]) <= multiprocessors(x.device))
     aligned = all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x, *weights))
     return "tma" if capable and aligned else "pointer"
 
@@ -142,6 +147,11 @@ def loads_for(x: torch.Tensor, weights: list[torch.Tensor]) -> str:
 @functools.cache
 def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _x_descriptor(x: torch.Tensor, block_m: int, block_k: int, loads: str) -> TensorDescriptor | torch.Tensor:
@@ -175,7 +185,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _launch_project(x, weights, biases, outs, widths, config, loads) -> None:
     m, k = x.shape
-    loads = _check_loads(loads or loads_for(x, weights))
+    loads = _check_loads(loads or loads_for(x, weights, sum(widths)))
     block_m, block_n, block_k, warps, stages = config or tiles(m, loads, x.element_size())
     counts = [triton.cdiv(n, block_n) for n in widths]
     _project_kernel[(sum(counts),)](
@@ -188,7 +198,7 @@ def gated(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
           config: tuple[int, int, int, int, int] | None = None, loads: str | None = None) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T), x: (M, K) with few rows, in one launch."""
     m, k = x.shape
-    loads = _check_loads(loads or loads_for(x, [gate, up]))
+    loads = _check_loads(loads or loads_for(x, [gate, up], gate.shape[0]))
     block_m, block_n, block_k, warps, stages = config or tiles(m, loads, x.element_size())
     out = x.new_empty(m, gate.shape[0])
     _gated_kernel[(triton.cdiv(gate.shape[0], block_n),)](
