@@ -6,9 +6,9 @@ every row in one tile and the weight's columns spread over the programs.
 
 At 64 rows each program re-reads all of x (128 KiB at 1024 wide) for 64 KiB of weight, so x's tiles are most of
 what a program loads, from L2. Loads (``loads_for``): "tma" brings x's tiles with the copy engine of a Hopper GPU,
-five stages deep; "pointer" through pointers (older GPUs, rows not 16-byte aligned). Rounding as transformers':
-fp32 accumulation, the bias added in fp32, one rounding to the weights' dtype; silu(gate) and the product each
-rounded as PyTorch rounds them. The summation order is not cuBLAS's, so results
+five stages deep; "pointer" through pointers (older GPUs, rows not 16-byte aligned, grids of more than one wave).
+Rounding as transformers': fp32 accumulation, the bias added in fp32, one rounding to the weights' dtype;
+silu(gate) and the product each rounded as PyTorch rounds them. The summation order is not cuBLAS's, so results
 agree to the dtype's rounding (tests/test_fused_linear.py, tests/test_triton_gpu.py).
 """
 
