@@ -22,7 +22,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from .triton_linear import gated, loads_for, multiprocessors, project, tiles
+from .triton_linear import gated, multiprocessors, project, tiles
 
 MLP_CLASSES = {"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"}
 _MLP_SOURCE = "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"  # checked at switch time
@@ -58,10 +58,8 @@ def _rows(x: torch.Tensor, weight: torch.Tensor, width: int) -> torch.Tensor | N
     if (rows.shape[0] > MAX_ROWS or rows.stride(-1) != 1 or x.dtype != weight.dtype or x.device != weight.device
             or x.device.type not in DEVICES):
         return None
-    if x.is_cuda:
-        tile = tiles(rows.shape[0], loads_for(rows, [weight], width), x.element_size())[1]
-        if not takes(rows.shape[0], width, tile, multiprocessors(x.device)):
-            return None
+    if x.is_cuda and not takes(rows.shape[0], width, tiles(rows.shape[0])[1], multiprocessors(x.device)):
+        return None
     return rows
 
 
