@@ -233,8 +233,17 @@ def main():
     p.add_argument("--no-fused-layers", action="store_true",
                    help="transformers' decoder layers and attention forwards in the engine (unison.engine.fused_layer "
                         "off: separate residual adds, q/k norms, RoPE and K/V write)")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="the engine's kernels launched one after another (UNISON_PDL=0: no programmatic dependent "
+                        "launch, unison.engine.gdc)")
+    p.add_argument("--no-split", action="store_true",
+                   help="cuBLAS's o_proj and down_proj in the decode graphs (fused_linear.SPLIT_ROWS = 0)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
+    if args.no_pdl:
+        os.environ["UNISON_PDL"] = "0"
+    if args.no_split:
+        fused_linear.SPLIT_ROWS = 0
     if args.fused_rows is not None:
         fused_linear.MAX_ROWS = args.fused_rows
     if args.no_fused_projections:

@@ -42,6 +42,52 @@ def test_loads_through_descriptors_only_where_every_row_is_aligned():
     torch.testing.assert_close(linear(odd[1], w), F.linear(odd[1], w), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [3, 20])
+@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize("loads", ["tma", "pointer"])
+def test_split_linear_sums_the_shares_of_k(rows, splits, loads):
+    """K in shares side by side, each tile's partials summed by its last program: x @ w.T + b, the same bits on a
+    second launch (the tiles' counters are back at 0), and an output of a partial last tile."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(rows, 256), torch.randn(80, 256), torch.randn(80)
+    first = triton_linear.split_linear(x, w, b, splits, loads=loads)
+    torch.testing.assert_close(first, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    assert torch.equal(triton_linear.split_linear(x, w, b, splits, loads=loads), first)
+    assert not triton_linear._counters[x.device].any()
+    with pytest.raises(ValueError, match="whole"):
+        triton_linear.split_linear(x[:, :200], w[:, :200], None, splits)
+
+
+def test_split_for_fills_one_wave_with_whole_k_steps():
+    """0.6B's o_proj (1024 x 2048) and down_proj (1024 x 3072) at 64 rows: 32 column tiles, four shares each on
+    132 multiprocessors; 1.7B's o_proj (2048 wide, 64 tiles) two; a K of one step none."""
+    assert fused_linear.split_for(64, 1024, 2048, 2, 132) == 4
+    assert fused_linear.split_for(64, 1024, 3072, 2, 132) == 4
+    assert fused_linear.split_for(64, 2048, 2048, 2, 132) == 2
+    assert fused_linear.split_for(16, 1024, 128, 2, 132) == 1
+
+
+def test_programmatic_launch_prefetches_whole_aligned_pieces(monkeypatch):
+    """Off the GPU (and with UNISON_PDL=0) the kernels launch one after another. A programmatic launch prefetches a
+    weight row's first bytes (PREFETCH_BYTES in all at most) in one piece a thread where the pieces are whole 16-byte
+    units at aligned addresses, else nothing."""
+    from unison.engine import gdc
+
+    assert gdc.launch(torch.zeros(1)) == {"PDL": False}
+    w = torch.zeros(64, 1024, dtype=torch.bfloat16)
+    assert triton_linear._prefetch_parts([w, w], block_n=32, warps=4) == (4, 512)
+    assert triton_linear._prefetch_parts([w[:, :1000]], block_n=32, warps=4) == (4, 496)  # 1984 of 2000 bytes
+    odd = torch.zeros(64, 1001, dtype=torch.bfloat16)
+    assert triton_linear._prefetch_parts([odd], block_n=32, warps=4) == (0, 0)  # rows 2002 bytes apart
+    big = torch.zeros(6144, 2048, dtype=torch.bfloat16, device="meta")  # 1.7B's gate and up: 16 MiB in all
+    assert triton_linear._prefetch_parts([big, big], block_n=32, warps=4) == (4, 336)
+    down = torch.zeros(2048, 6144, dtype=torch.bfloat16, device="meta")  # 1.7B's down_proj in two shares of K
+    assert triton_linear._prefetch_parts([down], block_n=32, warps=4, shares=2) == (4, 1024)
+    assert triton_linear._prefetch_parts([w.view(-1)[4:4 + 32 * 1024].view(32, 1024)], 32, 4) == (0, 0)  # 8 bytes off
+    monkeypatch.setenv("UNISON_PDL", "0")
+    assert not gdc.enabled(torch.zeros(1))
+
+
 def test_more_rows_than_one_wave_holds_take_cublas():
     """Up to 64 rows the kernels take any width; above, only a width whose column tiles fit one wave of programs
     (132 multiprocessors: 0.6B's 3072-wide gate/up in 96 tiles yes, 1.7B's 6144-wide in 192 no); past MAX_ROWS

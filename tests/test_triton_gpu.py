@@ -249,6 +249,37 @@ def test_fused_projections_on_gpu_at_the_bf16_floor(rows, bias, loads):
     assert (out.float() - ref.float()).abs().mean() < 0.02 * ref.float().abs().mean()
 
 
+@pytest.mark.parametrize("rows", [1, 7, 64])  # up to fused_linear.SPLIT_ROWS
+@pytest.mark.parametrize("loads", ["tma", "pointer"])
+def test_split_linear_on_gpu_at_the_bf16_floor(rows, loads):
+    """bf16 o_proj and down_proj of the 0.6B shape with K in shares (fused_linear.split_for's), each tile's shares
+    summed by its last program: within cuBLAS's own distance of the fp64 result, the same bits launch after launch
+    (the tiles' counters back at 0), and in a CUDA graph replayed ten times."""
+    from unison.engine import fused_linear, triton_linear
+    g = torch.Generator("cuda").manual_seed(rows)
+    for n, k, bias in ((1024, 2048, False), (1024, 3072, True)):
+        splits = fused_linear.split_for(rows, n, k, 2, torch.cuda.get_device_properties(0).multi_processor_count)
+        assert splits == 4
+        x = torch.randn(rows, k, generator=g, device="cuda").bfloat16()
+        w = (torch.randn(n, k, generator=g, device="cuda") / 32).bfloat16()
+        b = torch.randn(n, generator=g, device="cuda").bfloat16() if bias else None
+        out = triton_linear.split_linear(x, w, b, splits, loads=loads)
+        exact = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        ours = (out.double() - exact).abs()
+        cublas = (torch.nn.functional.linear(x, w, b).double() - exact).abs()
+        assert ours.max() <= 2 * cublas.max() and ours.mean() <= 1.1 * cublas.mean(), (n, ours.max(), cublas.max())
+        for _ in range(3):
+            assert torch.equal(triton_linear.split_linear(x, w, b, splits, loads=loads), out)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = triton_linear.split_linear(x, w, b, splits, loads=loads)
+        for _ in range(10):
+            replayed.zero_()
+            graph.replay()
+            assert torch.equal(replayed, out)
+    assert not triton_linear._counters[x.device].any()
+
+
 def test_batch_sizes_and_contexts_reuse_the_compiled_kernels():
     """The decode kernel at any block-table width, batch or context of a split count it ran before, and the sampler's
     combine kernel at any batch size, run the kernels compiled already (a variant per width or batch size made a

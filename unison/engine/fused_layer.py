@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gdc
 from .fused_linear import swap_forward
 from .fused_norm import add_rms_norm, fusable
 from .fused_rope import ATTENTION_CLASSES
@@ -103,7 +104,8 @@ def llama_layer(cls: type) -> bool:
 @triton.jit
 def _qkv_rope_write_kernel(Q, K, V, QW, KW, Cos, Sin, QO, KP, VP, Slots, q_heads, k_heads, stride_q, stride_k,
                            stride_v, stride_c, stride_qo, stride_kp, stride_vp, eps_q, eps_k, HALF: tl.constexpr,
-                           BLOCK: tl.constexpr, HEADS: tl.constexpr, NORM: tl.constexpr):
+                           BLOCK: tl.constexpr, HEADS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    gdc.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     head = heads[:, None]
@@ -163,7 +165,7 @@ def qkv_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
         v.stride(0), cos.stride(0), q_out.stride(0), k_pool.stride(0), v_pool.stride(0),
         q_norm.variance_epsilon if norm else 0.0, k_norm.variance_epsilon if norm else 0.0, HALF=dim // 2,
         BLOCK=triton.next_power_of_2(dim), HEADS=per, NORM=norm, num_warps=1 if per * dim <= 512 else 4,
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, **gdc.launch(q))
     return q_out
 
 

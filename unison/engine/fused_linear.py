@@ -8,6 +8,11 @@ they cannot be concatenated into one matrix without a copy; the kernels (``uniso
 where they are instead: one launch covers the tiles of the three projections' outputs side by side (``project``),
 another computes a tile of gate and of up for the same columns and writes silu(gate) * up (``gated``).
 
+At up to 64 rows o_proj and down_proj (0.6B: 1024-wide outputs, 32 column tiles, a quarter of an H200's
+multiprocessors) run as ``split_linear``: K in shares side by side, each tile's last program summing the shares
+(``SPLIT_ROWS``, ``split_for``). Each kernel asks L2 for its weight rows before it waits for the kernel in front of
+it (``unison.engine.gdc``).
+
 ``fused_projections(model)`` swaps them in for the duration of a ``with`` block (the engine captures its decode
 graphs inside it) in the attention and MLP classes whose forward is transformers' (checked from its source), for
 plain ``nn.Linear`` projections of one dtype: a LoRA layer, a tensor-parallel shard or any
@@ -22,7 +27,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from .triton_linear import gated, multiprocessors, project, tiles
+from .triton_linear import gated, multiprocessors, project, split_for, split_linear, tiles
 
 MLP_CLASSES = {"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"}
 _MLP_SOURCE = "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"  # checked at switch time
@@ -97,6 +102,28 @@ class _QKV:
         return forward
 
 
+SPLIT_ROWS = 64
+"""Rows up to which o_proj and down_proj run as ``split_linear`` (K in shares, so that a 1024-wide output's 32
+column tiles fill the GPU, their weights prefetched while the kernel before runs); more rows (not measured), or a
+shape without two shares in one wave, take cuBLAS's. A 0.6B decode step at 64 requests on an H200: 1.49-1.50 ms
+with cuBLAS's, 1.45-1.46 with these (bench/results/h200/speed/pdl/)."""
+
+
+def _split_forward(linear: torch.nn.Module):
+    plain = torch.nn.Linear.forward.__get__(linear)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        rows = _rows(x, linear.weight, linear.weight.shape[0])
+        if rows is None or rows.shape[0] > SPLIT_ROWS:
+            return plain(x)
+        n, k = linear.weight.shape
+        splits = split_for(rows.shape[0], n, k, x.element_size(), multiprocessors(x.device) if x.is_cuda else 132)
+        if splits < 2:
+            return plain(x)
+        return split_linear(rows, linear.weight, linear.bias, splits).view(*x.shape[:-1], n)
+    return forward
+
+
 def swiglu_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The SwiGLU MLPs of known classes in ``model`` whose forward is transformers' (checked from its source) and
     whose activation is SiLU (the trainer's fused MLPs too: ``unison.train.fused``)."""
@@ -136,10 +163,14 @@ def fused_projections(model: torch.nn.Module):
                 for i, proj in enumerate(qkv.linears):
                     swap_forward(stack, proj, qkv.forward_of(i))
                 switched += 1
+                if _plain([module.o_proj]):
+                    swap_forward(stack, module.o_proj, _split_forward(module.o_proj))
         for mlp in swiglu_mlps(model):
             if _plain([mlp.gate_proj, mlp.up_proj]) and mlp.gate_proj.bias is None:
                 swap_forward(stack, mlp, _gated_forward(mlp, mlp.forward))
                 switched += 1
+                if _plain([mlp.down_proj]):
+                    swap_forward(stack, mlp.down_proj, _split_forward(mlp.down_proj))
         yield switched
 
 

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gdc
 from .source import body
 
 # Qwen3-MoE's norm is Qwen3's, source for source (transformers 5.24); its decode spent ~0.85 ms per step of 11.6 in
@@ -45,9 +46,10 @@ def fusable(module: torch.nn.Module) -> bool:
 
 @triton.jit
 def _rms_norm_kernel(X, W, Y, R, S, stride_x, stride_y, stride_r, stride_s, eps, N: tl.constexpr,
-                     BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
+                     BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     """Row ``row`` of Y = norm(X) (with ``RESIDUAL``: S = X + R rounded to X's dtype as PyTorch's add rounds, then
     Y = norm(S))."""
+    gdc.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -71,7 +73,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows, rows, rows.stride(0), out.stride(0), 0, 0, eps, N=n,
                                        BLOCK=triton.next_power_of_2(n), RESIDUAL=False,
-                                       num_warps=4 if n <= 2048 else 8)
+                                       num_warps=4 if n <= 2048 else 8, **gdc.launch(x))
     return out.view(*x.shape[:-1], n)
 
 
@@ -85,7 +87,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, res, total, rows.stride(0), out.stride(0), res.stride(0),
                                        total.stride(0), eps, N=n, BLOCK=triton.next_power_of_2(n), RESIDUAL=True,
-                                       num_warps=4 if n <= 2048 else 8)
+                                       num_warps=4 if n <= 2048 else 8, **gdc.launch(x))
     return total.view(x.shape), out.view(*x.shape[:-1], n)
 
 

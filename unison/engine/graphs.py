@@ -6,9 +6,11 @@ needed (decoder forward and the fp32 lm_head of every row, head transform includ
 per-request generators and sampling parameters need no graph) and replayed after that. The capture runs with
 ``fused_norms``, ``fused_rope``, ``fused_projections`` and ``fused_layers``: each RMSNorm is one kernel instead of
 eight, RoPE of q and k one instead of ten, and on the GPU the q/k/v projections one instead of three, gate/up with
-the SwiGLU one instead of four, each residual add joined to the norm after it, q/k norms, RoPE and the K/V write
-one kernel. The graphs read the parameters and the KV pool at their addresses: in-place optimizer updates
-need nothing, and they stay valid as long as neither tensor is reallocated. Without CUDA (the CPU tests) the same
+the SwiGLU one instead of four, o_proj and down_proj with K in shares up to 64 rows, each residual add joined to
+the norm after it, q/k norms, RoPE and the K/V write one kernel; on Hopper each of these kernels starts before the
+one in front of it has finished (``gdc``: programmatic dependent launch, kept in the graph). The graphs read the
+parameters and the KV pool at their addresses: in-place optimizer updates need nothing, and they stay valid as
+long as neither tensor is reallocated. Without CUDA (the CPU tests) the same
 forward runs eagerly through the same buffers.
 
 Per step the host fills one pinned buffer (token, position, slot and context length of each row, then the

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gdc
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # a compiled kernel reads only constexpr globals
@@ -61,7 +63,8 @@ def _decode_kernel(Q, K, V, BT, CTX, SINK, Out, PO, PML, scale_log2, cap_log2, w
                    HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, K_DIM: tl.constexpr,
                    BLOCK_DK: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WINDOWED: tl.constexpr, SINKS: tl.constexpr,
-                   SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                   SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    gdc.wait(PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -122,7 +125,9 @@ def _decode_kernel(Q, K, V, BT, CTX, SINK, Out, PO, PML, scale_log2, cap_log2, w
 
 @triton.jit
 def _combine_kernel(PO, PML, SINK, Out, stride_on, stride_oh, HEADS: tl.constexpr, V_DIM: tl.constexpr,
-                    BLOCK_DV: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, SINKS: tl.constexpr):
+                    BLOCK_DV: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, SINKS: tl.constexpr,
+                    PDL: tl.constexpr):
+    gdc.wait(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -184,6 +189,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
     else:
         part_o = part_ml = out  # unused
     sink_arg = sinks if sinks is not None else out  # unused without sinks
+    launch = gdc.launch(q)
     _decode_kernel[(batch, kv_heads, splits)](
         q, k_pool, v_pool, block_tables, context_lens, sink_arg, out, part_o, part_ml, scale * LOG2E,
         (softcap or 1.0) * LOG2E, window or 0, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
@@ -192,11 +198,12 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
         BLOCK_DK=triton.next_power_of_2(k_dim), V_DIM=v_dim, BLOCK_DV=block_dv, PAGE=block_size, BLOCK_N=block_n,
         SPLITS=splits, WINDOWED=window is not None, SINKS=sinks is not None, SOFTCAP=softcap is not None,
         UPCAST=_INTERPRET, PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=num_warps,
-        num_stages=num_stages)
+        num_stages=num_stages, **launch)
     if splits > 1:
         _combine_kernel[(batch, heads)](part_o, part_ml, sink_arg, out, out.stride(0), out.stride(1), HEADS=heads,
                                         V_DIM=v_dim, BLOCK_DV=block_dv, SPLITS=splits,
-                                        BLOCK_S=max(2, triton.next_power_of_2(splits)), SINKS=sinks is not None)
+                                        BLOCK_S=max(2, triton.next_power_of_2(splits)), SINKS=sinks is not None,
+                                        **launch)
     return out
 
 

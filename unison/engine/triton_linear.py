@@ -22,7 +22,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import gdc
+
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRETED_C = tl.constexpr(_INTERPRETED)  # a compiled kernel reads only constexpr globals
 LOADS = ("tma", "pointer")
 """How x's tiles reach a program: through a tensor descriptor (the copy engine), or through pointers; the weights'
 tiles come through pointers either way (bench/results/h200/speed/tma/: descriptors for the weights too, made on the
@@ -48,6 +51,17 @@ def _w_tile(W, N, K, col0, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_rows(W, N, K, col0, piece_bytes, BLOCK_N: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
+    """Ask L2 for this program's weight rows (col0 onwards, those below N), each in PARTS pieces of
+    ``piece_bytes`` (the kernels' launches prefetch only where the pieces are whole 16-byte units, else PARTS=0)."""
+    if PARTS > 0:
+        cols = tl.minimum(col0 + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)[:, None]  # past N: the last row again
+        part = tl.arange(0, PARTS)[None, :]
+        gdc.prefetch(W + cols * K + part * (piece_bytes // (W.dtype.element_ty.primitive_bitwidth // 8)), piece_bytes,
+                     PDL)
+
+
+@triton.jit
 def _dot(x, w, acc, PRECISION: tl.constexpr):
     if PRECISION == "ieee":
         x, w = x.to(tl.float32), w.to(tl.float32)
@@ -55,9 +69,10 @@ def _dot(x, w, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _project_kernel(X, x_desc, W0, W1, W2, B0, B1, B2, Y0, Y1, Y2, M, K, N0, N1, N2, T0, T1, stride_x,
+def _project_kernel(X, x_desc, W0, W1, W2, B0, B1, B2, Y0, Y1, Y2, M, K, N0, N1, N2, T0, T1, stride_x, piece_bytes,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PRECISION: tl.constexpr, X_TMA: tl.constexpr, STAGES: tl.constexpr):
+                    PRECISION: tl.constexpr, X_TMA: tl.constexpr, STAGES: tl.constexpr, PARTS: tl.constexpr,
+                    PDL: tl.constexpr):
     """Program p: output tile p of the three projections' tiles side by side (T0 of the first, T1 of the second).
     One loop for whichever weight the program takes, so its pipeline stages are allocated once (a loop per weight
     took three times the shared memory)."""
@@ -68,6 +83,8 @@ def _project_kernel(X, x_desc, W0, W1, W2, B0, B1, B2, Y0, Y1, Y2, M, K, N0, N1,
         W, B, Y, N, tile = W1, B1, Y1, N1, p - T0
     else:
         W, B, Y, N, tile = W2, B2, Y2, N2, p - T0 - T1
+    _prefetch_rows(W, N, K, tile * BLOCK_N, piece_bytes, BLOCK_N, PARTS, PDL)
+    gdc.wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         x = _x_tile(X, x_desc, M, K, stride_x, k, BLOCK_M, BLOCK_K, X_TMA)
@@ -82,10 +99,14 @@ def _project_kernel(X, x_desc, W0, W1, W2, B0, B1, B2, Y0, Y1, Y2, M, K, N0, N1,
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gated_kernel(X, x_desc, G, U, Y, M, K, N, stride_x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, X_TMA: tl.constexpr, STAGES: tl.constexpr):
+def _gated_kernel(X, x_desc, G, U, Y, M, K, N, stride_x, piece_bytes, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, X_TMA: tl.constexpr, STAGES: tl.constexpr,
+                  PARTS: tl.constexpr, PDL: tl.constexpr):
     """Program p: columns tile p of silu(X @ G.T) * (X @ U.T), each product rounded to Y's dtype first."""
     p = tl.program_id(0)
+    _prefetch_rows(G, N, K, p * BLOCK_N, piece_bytes, BLOCK_N, PARTS, PDL)
+    _prefetch_rows(U, N, K, p * BLOCK_N, piece_bytes, BLOCK_N, PARTS, PDL)
+    gdc.wait(PDL)
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
@@ -99,6 +120,55 @@ def _gated_kernel(X, x_desc, G, U, Y, M, K, N, stride_x, BLOCK_M: tl.constexpr, 
     act = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty).to(tl.float32)  # PyTorch's silu, then rounded
     tl.store(Y + rows[:, None] * N + cols[None, :], (act * up).to(Y.dtype.element_ty),
              mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_kernel(X, x_desc, W, B, Y, Part, Count, M, K, N, stride_x, piece_bytes, HAS_BIAS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+                  PRECISION: tl.constexpr, X_TMA: tl.constexpr, STAGES: tl.constexpr, PARTS: tl.constexpr,
+                  PDL: tl.constexpr):
+    """Program (tile, split): output tile ``tile`` over split ``split``'s share of K (K / SPLITS, whole K steps),
+    its fp32 partial to ``Part``; the tile's last program to finish (a counter per tile, put back to 0 by that
+    program) sums the partials in the order of the splits, so the result does not depend on which finished last."""
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    k_per = K // SPLITS
+    k0 = split * k_per
+    if PARTS > 0:
+        cols = tl.minimum(tile * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)[:, None]
+        piece = piece_bytes // (W.dtype.element_ty.primitive_bitwidth // 8)
+        gdc.prefetch(W + cols * K + k0 + tl.arange(0, PARTS)[None, :] * piece, piece_bytes, PDL)
+    gdc.wait(PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in tl.range(k0, k0 + k_per, BLOCK_K, num_stages=STAGES):
+        x = _x_tile(X, x_desc, M, K, stride_x, k, BLOCK_M, BLOCK_K, X_TMA)
+        w = _w_tile(W, N, K, tile * BLOCK_N, k, BLOCK_N, BLOCK_K)
+        acc = _dot(x, w, acc, PRECISION)
+    rows = tl.arange(0, BLOCK_M)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = (rows < M)[:, None] & (cols < N)[None, :]
+    at = rows[:, None] * N + cols[None, :]
+    tl.store(Part + split * BLOCK_M * N + at, acc, mask=inside)
+    # Every thread's partial reaches the device before one thread counts the program as done.
+    _fence()
+    tl.debug_barrier()
+    done = tl.atomic_add(Count + tile, 1, sem="acq_rel", scope="gpu")
+    if done == SPLITS - 1:
+        _fence()
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for s in tl.static_range(SPLITS):
+            total += tl.load(Part + s * BLOCK_M * N + at, mask=inside, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            total += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + at, total.to(Y.dtype.element_ty), mask=inside)
+        tl.atomic_xchg(Count + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _fence():
+    """A device-scope fence by every thread (the interpreter runs programs one at a time and needs none)."""
+    if not _INTERPRETED_C:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def tiles(m: int, loads: str = "tma", element_size: int = 2) -> tuple[int, int, int, int, int]:
@@ -159,6 +229,24 @@ def _x_descriptor(x: torch.Tensor, block_m: int, block_k: int, loads: str) -> Te
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, block_k]) if loads == "tma" else x
 
 
+PREFETCH_BYTES = 16 << 20
+"""The most weight bytes one launch asks L2 for before its wait: the first columns of each row where the rows hold
+more (1.7B's 50 MB gate/up would evict its own prefetched rows before the kernel read them from a 50 MB L2)."""
+
+
+def _prefetch_parts(weights: list[torch.Tensor], block_n: int, warps: int, shares: int = 1) -> tuple[int, int]:
+    """(PARTS, piece bytes): a programmatic launch prefetches the first PARTS pieces of each weight row (of each of
+    its ``shares`` of K, for ``split_linear``), a piece a thread, at most PREFETCH_BYTES in all; (0, 0) where a
+    piece would not be whole 16-byte units at 16-byte aligned addresses."""
+    k, size = weights[0].shape[1] // shares, weights[0].element_size()
+    parts = max(1, warps * 32 // block_n)
+    row = min(k * size, PREFETCH_BYTES // (shares * sum(w.shape[0] for w in weights)))
+    piece = row // parts // 16 * 16
+    if piece == 0 or (weights[0].shape[1] * size) % 16 or any(w.data_ptr() % 16 for w in weights):
+        return 0, 0
+    return parts, piece
+
+
 def _check_loads(loads: str) -> str:
     if loads not in LOADS:
         raise ValueError(f"loads={loads!r}: one of {LOADS}")
@@ -188,10 +276,66 @@ def _launch_project(x, weights, biases, outs, widths, config, loads) -> None:
     loads = _check_loads(loads or loads_for(x, weights, sum(widths)))
     block_m, block_n, block_k, warps, stages = config or tiles(m, loads, x.element_size())
     counts = [triton.cdiv(n, block_n) for n in widths]
+    launch = gdc.launch(x)
+    parts, piece = _prefetch_parts(weights, block_n, warps) if launch["PDL"] else (0, 0)
     _project_kernel[(sum(counts),)](
         x, _x_descriptor(x, block_m, block_k, loads), *weights, *(biases or weights), *outs, m, k, *widths,
-        counts[0], counts[1], x.stride(0), HAS_BIAS=biases is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, PRECISION=_precision(x), X_TMA=loads == "tma", STAGES=stages, num_warps=warps)
+        counts[0], counts[1], x.stride(0), piece, HAS_BIAS=biases is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, PRECISION=_precision(x), X_TMA=loads == "tma", STAGES=stages, PARTS=parts,
+        num_warps=warps, **launch)
+
+
+COUNTERS = 4096
+"""Counters per device for ``split_linear``'s tiles (allocated once, before any graph reads them): outputs up to
+COUNTERS column tiles wide."""
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, splits: int,
+                 config: tuple[int, int, int, int, int] | None = None, loads: str | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) with K in ``splits`` shares (programs side by side for an output too narrow to fill
+    the GPU: 0.6B's o_proj and down_proj are 32 column tiles), summed in the kernel by each tile's last program.
+    K must be a whole number of K steps per share (``split_for``). Launches on one device must not overlap (the
+    tiles' counters are the device's): the engine runs its kernels on one stream."""
+    m, k = x.shape
+    n = weight.shape[0]
+    loads = _check_loads(loads or loads_for(x, [weight], n * splits))
+    block_m, block_n, block_k, warps, stages = config or tiles(m, loads, x.element_size())
+    columns = triton.cdiv(n, block_n)
+    if k % (splits * block_k) or columns > COUNTERS:
+        raise ValueError(f"K={k} in {splits} shares of whole {block_k}-wide steps, {columns} column tiles")
+    out = x.new_empty(m, n)
+    part = torch.empty(splits * block_m * n, dtype=torch.float32, device=x.device)
+    launch = gdc.launch(x)
+    parts, piece = _prefetch_parts([weight], block_n, warps, splits) if launch["PDL"] else (0, 0)
+    _split_kernel[(columns, splits)](
+        x, _x_descriptor(x, block_m, block_k, loads), weight, weight if bias is None else bias, out, part,
+        _tile_counters(x.device), m, k, n, x.stride(0), piece, HAS_BIAS=bias is not None, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, PRECISION=_precision(x), X_TMA=loads == "tma",
+        STAGES=stages, PARTS=parts, num_warps=warps, **launch)
+    return out
+
+
+def split_for(m: int, n: int, k: int, element_size: int, multiprocessors: int, most: int = 8) -> int:
+    """The most shares of K (a power of two, at most ``most``) for which m rows of an n-wide output keep their
+    programs within one wave and each share is whole K steps; 1 where fewer than two fit."""
+    config = tiles(m, "tma", element_size)
+    columns = -(-n // config[1])
+    splits = 1
+    while (splits * 2 <= most and columns * splits * 2 <= multiprocessors
+           and k % (splits * 2 * config[2]) == 0 and k % (splits * 2 * tiles(m, "pointer", element_size)[2]) == 0):
+        splits *= 2
+    return splits
+
+
+def _tile_counters(device: torch.device) -> torch.Tensor:
+    counters = _counters.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split_linear's first launch on a device is inside a graph capture; launch it once "
+                               "before capturing")
+        counters = _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return counters
 
 
 def gated(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
@@ -201,8 +345,10 @@ def gated(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     loads = _check_loads(loads or loads_for(x, [gate, up], gate.shape[0]))
     block_m, block_n, block_k, warps, stages = config or tiles(m, loads, x.element_size())
     out = x.new_empty(m, gate.shape[0])
+    launch = gdc.launch(x)
+    parts, piece = _prefetch_parts([gate, up], block_n, warps) if launch["PDL"] else (0, 0)
     _gated_kernel[(triton.cdiv(gate.shape[0], block_n),)](
-        x, _x_descriptor(x, block_m, block_k, loads), gate, up, out, m, k, gate.shape[0], x.stride(0),
+        x, _x_descriptor(x, block_m, block_k, loads), gate, up, out, m, k, gate.shape[0], x.stride(0), piece,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(x), X_TMA=loads == "tma",
-        STAGES=stages, num_warps=warps)
+        STAGES=stages, PARTS=parts, num_warps=warps, **launch)
     return out

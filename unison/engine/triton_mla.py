@@ -137,5 +137,6 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, rank: int, block_tables: 
     if splits > 1:
         _combine_kernel[(batch, heads)](part_o, part_ml, out, out, out.stride(0), out.stride(1), HEADS=heads,
                                         V_DIM=rank, BLOCK_DV=block_r, SPLITS=splits,
-                                        BLOCK_S=max(2, triton.next_power_of_2(splits)), SINKS=False)
+                                        BLOCK_S=max(2, triton.next_power_of_2(splits)), SINKS=False,
+                                        PDL=False)  # the latent decode kernel before it launches plainly
     return out
