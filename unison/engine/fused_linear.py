@@ -102,6 +102,9 @@ class _QKV:
         return forward
 
 
+INTERPRETED_MULTIPROCESSORS = 132
+"""The multiprocessors ``split_for`` plans for in Triton's interpreter (the CPU tests): an H200's, so the CPU runs
+the shares the GPU would."""
 SPLIT_ROWS = 64
 """Rows up to which o_proj and down_proj run as ``split_linear`` (K in shares, so that a 1024-wide output's 32
 column tiles fill the GPU, their weights prefetched while the kernel before runs); more rows (not measured), or a
@@ -117,7 +120,8 @@ def _split_forward(linear: torch.nn.Module):
         if rows is None or rows.shape[0] > SPLIT_ROWS:
             return plain(x)
         n, k = linear.weight.shape
-        splits = split_for(rows.shape[0], n, k, x.element_size(), multiprocessors(x.device) if x.is_cuda else 132)
+        sms = multiprocessors(x.device) if x.is_cuda else INTERPRETED_MULTIPROCESSORS
+        splits = split_for(rows.shape[0], n, k, x.element_size(), sms)
         if splits < 2:
             return plain(x)
         return split_linear(rows, linear.weight, linear.bias, splits).view(*x.shape[:-1], n)

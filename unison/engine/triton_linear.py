@@ -51,14 +51,13 @@ def _w_tile(W, N, K, col0, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_rows(W, N, K, col0, piece_bytes, BLOCK_N: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
-    """Ask L2 for this program's weight rows (col0 onwards, those below N), each in PARTS pieces of
+def _prefetch_rows(W, N, K, col0, k0, piece_bytes, BLOCK_N: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
+    """Ask L2 for this program's weight rows (col0 onwards, those below N) from column k0, each in PARTS pieces of
     ``piece_bytes`` (the kernels' launches prefetch only where the pieces are whole 16-byte units, else PARTS=0)."""
     if PARTS > 0:
         cols = tl.minimum(col0 + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)[:, None]  # past N: the last row again
-        part = tl.arange(0, PARTS)[None, :]
-        gdc.prefetch(W + cols * K + part * (piece_bytes // (W.dtype.element_ty.primitive_bitwidth // 8)), piece_bytes,
-                     PDL)
+        piece = piece_bytes // (W.dtype.element_ty.primitive_bitwidth // 8)
+        gdc.prefetch(W + cols * K + k0 + tl.arange(0, PARTS)[None, :] * piece, piece_bytes, PDL)
 
 
 @triton.jit
@@ -83,7 +82,7 @@ def _project_kernel(X, x_desc, W0, W1, W2, B0, B1, B2, Y0, Y1, Y2, M, K, N0, N1,
         W, B, Y, N, tile = W1, B1, Y1, N1, p - T0
     else:
         W, B, Y, N, tile = W2, B2, Y2, N2, p - T0 - T1
-    _prefetch_rows(W, N, K, tile * BLOCK_N, piece_bytes, BLOCK_N, PARTS, PDL)
+    _prefetch_rows(W, N, K, tile * BLOCK_N, 0, piece_bytes, BLOCK_N, PARTS, PDL)
     gdc.wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
@@ -104,8 +103,8 @@ def _gated_kernel(X, x_desc, G, U, Y, M, K, N, stride_x, piece_bytes, BLOCK_M: t
                   PARTS: tl.constexpr, PDL: tl.constexpr):
     """Program p: columns tile p of silu(X @ G.T) * (X @ U.T), each product rounded to Y's dtype first."""
     p = tl.program_id(0)
-    _prefetch_rows(G, N, K, p * BLOCK_N, piece_bytes, BLOCK_N, PARTS, PDL)
-    _prefetch_rows(U, N, K, p * BLOCK_N, piece_bytes, BLOCK_N, PARTS, PDL)
+    _prefetch_rows(G, N, K, p * BLOCK_N, 0, piece_bytes, BLOCK_N, PARTS, PDL)
+    _prefetch_rows(U, N, K, p * BLOCK_N, 0, piece_bytes, BLOCK_N, PARTS, PDL)
     gdc.wait(PDL)
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -134,10 +133,7 @@ def _split_kernel(X, x_desc, W, B, Y, Part, Count, M, K, N, stride_x, piece_byte
     split = tl.program_id(1)
     k_per = K // SPLITS
     k0 = split * k_per
-    if PARTS > 0:
-        cols = tl.minimum(tile * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)[:, None]
-        piece = piece_bytes // (W.dtype.element_ty.primitive_bitwidth // 8)
-        gdc.prefetch(W + cols * K + k0 + tl.arange(0, PARTS)[None, :] * piece, piece_bytes, PDL)
+    _prefetch_rows(W, N, K, tile * BLOCK_N, k0, piece_bytes, BLOCK_N, PARTS, PDL)
     gdc.wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in tl.range(k0, k0 + k_per, BLOCK_K, num_stages=STAGES):
