@@ -87,9 +87,12 @@ def run_unison(model, prompts, new: int, args, attention: str = "auto") -> tuple
     # decode graphs the run will use, and leaves none of the run's prompts in the prefix cache. (With the run's own
     # prompts the run prefilled an eighth of them, a step no warm-up had compiled: 0.04-0.39 s, run to run, of a
     # 1.1-1.5 s run at 256 requests, bench/results/h200/speed/tma/timeline_*.json.)
+    # --warmup full: the whole workload on those prompts, so the run meets no kernel variant or graph the warm-up
+    # did not (bench/results/h200/speed/host/7_timeline: a sampler compile and two captures in a 256-request run).
     vocab = model.config.vocab_size
-    engine.generate(prompts_for(vocab, len(prompts), len(prompts[0]), seed=1), SamplingParams(max_new_tokens=4,
-                                                                                              stop_token_ids=()))
+    warm = new if args.warmup == "full" else 4
+    engine.generate(prompts_for(vocab, len(prompts), len(prompts[0]), seed=1),
+                    SamplingParams(max_new_tokens=warm, temperature=1.0, stop_token_ids=()))
     sync(args.device)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -130,8 +133,11 @@ def run_transformers_cb(shape: str, prompts, new: int, args) -> dict:
                            eos_token_id=-1, pad_token_id=0)
     cb = transformers.ContinuousBatchingConfig(use_cuda_graph=args.device == "cuda", return_logprobs=True,
                                                max_requests_per_batch=len(prompts))
-    model.generate_batch(prompts[:4], generation_config=GenerationConfig(
-        max_new_tokens=4, do_sample=True, eos_token_id=-1, pad_token_id=0), continuous_batching_config=cb)
+    warm = prompts_for(model.config.vocab_size, len(prompts), len(prompts[0]), seed=1) \
+        if args.warmup == "full" else prompts[:4]
+    model.generate_batch(warm, generation_config=GenerationConfig(
+        max_new_tokens=new if args.warmup == "full" else 4, do_sample=True, eos_token_id=-1, pad_token_id=0),
+        continuous_batching_config=cb)
     sync(args.device)
     t0 = time.perf_counter()
     out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
@@ -238,6 +244,8 @@ def main():
                         "launch, unison.engine.gdc)")
     p.add_argument("--no-split", action="store_true",
                    help="cuBLAS's o_proj and down_proj in the decode graphs (fused_linear.SPLIT_ROWS = 0)")
+    p.add_argument("--warmup", default="short", choices=["short", "full"],
+                   help="short: 4 new tokens a request; full: the whole workload, on other prompts (both systems)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
     if args.no_pdl:

@@ -13,6 +13,8 @@
 #   bash bench/speed_gpu.sh tests     # the GPU tests of the engine's and the trainer's kernels
 #   bash bench/speed_gpu.sh rollout   # bench/rollout_steps.py at 0.6B, then
 #                                     # bench/grpo_step.py with TRL in the same run (SHAPES, default 0.6B)
+#   bash bench/speed_gpu.sh timeline  # where the time goes: bench/train_timeline.py (0.6B), bench/rollout_steps.py
+#                                     # (0.6B), bench/step_timeline.py (0.6B at 256)
 # Results under $OUT/speed/<TAG> (TAG defaults to "run").
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -72,6 +74,13 @@ for mode in "${@:-profile}"; do
         python3 bench/grpo_step.py --systems unison,trl --shapes $shape --steps 5 --unison-set save_final=false \
           --json "$out/grpo_${shape}_trl.json" --workdir /tmp/speed_$shape 2>&1 | tail -3
       done ;;
+    timeline)
+      (cd bench
+       python3 train_timeline.py --shape qwen3-0.6b --rows 8192 --json "$out/train_timeline_0.6b.json" \
+         --trace "$out/train_trace_0.6b.json.gz" 2>&1 | quiet 45
+       python3 rollout_steps.py --shape qwen3-0.6b --steps 5 --json "$out/rollout_steps_0.6b.json" 2>&1 | quiet 30
+       python3 step_timeline.py --shape qwen3-0.6b --concurrency 256 --json "$out/step_timeline_0.6b_256.json" 2>&1 \
+         | quiet 30) ;;
     tests)
       timeout "${LIMIT:-300}" python3 -m pytest -q -x -s -p no:cacheprovider ${TESTS:-tests/test_fused_train_gpu.py \
         tests/test_triton_gpu.py tests/test_engine_gpu.py tests/test_fused_layer_gpu.py} 2>&1 | tee "$out/tests.log" \

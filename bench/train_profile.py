@@ -34,6 +34,17 @@ def timed(device: torch.device, fn) -> float:
     return time.perf_counter() - t0
 
 
+def rollout_samples(model: torch.nn.Module, new: int) -> list:
+    """One real rollout of ``model``: PROMPTS random prompts x GROUP completions of ``new`` tokens, random rewards."""
+    engine = Engine(model, EngineConfig(num_blocks=PROMPTS * GROUP * (-(-(PROMPT_TOKENS + new) // 16) + 1),
+                                        block_size=16, max_num_seqs=PROMPTS * GROUP, seed=0))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, model.config.vocab_size, (PROMPT_TOKENS,), generator=g).tolist()
+               for _ in range(PROMPTS)]
+    done = engine.generate(prompts, SamplingParams(max_new_tokens=new, n=GROUP, seed=0, stop_token_ids=()))
+    return scored_samples(done, torch.rand(len(done), generator=g).tolist())
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -47,14 +58,7 @@ def main():
     device = torch.device(args.device)
     model = build(args.shape, args.device, torch.bfloat16, "unison")
     start = {n: t.detach().clone() for n, t in model.state_dict().items()}
-    engine = Engine(model, EngineConfig(num_blocks=PROMPTS * GROUP * (-(-(PROMPT_TOKENS + args.new) // 16) + 1),
-                                        block_size=16, max_num_seqs=PROMPTS * GROUP, seed=0))
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, model.config.vocab_size, (PROMPT_TOKENS,), generator=g).tolist()
-               for _ in range(PROMPTS)]
-    done = engine.generate(prompts, SamplingParams(max_new_tokens=args.new, n=GROUP, seed=0, stop_token_ids=()))
-    samples = scored_samples(done, torch.rand(len(done), generator=g).tolist())
-    del engine
+    samples = rollout_samples(model, args.new)
     opt = build_optimizer(model.named_parameters(), OptimConfig(lr=1e-6), total_steps=100)
 
     def step(rows: int, kernels: bool = True) -> dict:

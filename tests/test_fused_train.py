@@ -46,6 +46,19 @@ def test_rms_norm_forward_and_backward_equal_transformers(shape):
     assert ref_grads[1].abs().max() > 1  # the weight's gradient is summed over every row
 
 
+@pytest.mark.parametrize("parts,width", [(100, 200), (3, 128), (33, 7)])
+def test_weight_gradient_parts_sum_in_one_kernel(parts, width):
+    """The RMSNorm backward's per-program partial weight gradients, summed down the programs and rounded once:
+    several row blocks of 32 and a column block of 128 with a ragged end each."""
+    x = torch.randn(parts, width, generator=torch.Generator().manual_seed(parts)) * 10
+    out = fused._sum_parts(x, torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == (width,)
+    exact = x.double().sum(0)
+    # One bf16 rounding (the interpreter truncates where the GPU rounds to nearest: 2^-8 relative, not 2^-9).
+    torch.testing.assert_close(out.double(), exact, rtol=2**-7, atol=1e-4)
+    torch.testing.assert_close(fused._sum_parts(x, torch.float32).double(), exact, rtol=1e-5, atol=1e-4)
+
+
 def test_rope_forward_and_backward_equal_transformers():
     g = torch.Generator().manual_seed(1)
     bsz, heads, kv_heads, tokens, dim = 1, 4, 2, 9, 16

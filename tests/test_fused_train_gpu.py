@@ -42,12 +42,14 @@ def _assert_at_floor(gaps, slack=1.1):
         assert ours <= theirs * slack + 1e-6, (i, ours, theirs)
 
 
-def test_rms_norm_bf16_at_the_floor():
+@pytest.mark.parametrize("rows,width", [(8192, 1024), (8191 * 3, 128)], ids=["hidden", "heads"])
+def test_rms_norm_bf16_at_the_floor(rows, width):
+    """A hidden state's norm (a row a program) and a q/k norm's (eight rows at a time, a ragged last program)."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(8192, 1024, device="cuda", generator=g).bfloat16() * 3
-    w = (1 + 0.1 * torch.randn(1024, device="cuda", generator=g)).bfloat16()
-    upstream = [torch.randn(8192, 1024, device="cuda", generator=g, dtype=torch.float64)]
-    norm = modeling_qwen3.Qwen3RMSNorm(1024).cuda()
+    x = torch.randn(rows, width, device="cuda", generator=g).bfloat16() * 3
+    w = (1 + 0.1 * torch.randn(width, device="cuda", generator=g)).bfloat16()
+    upstream = [torch.randn(rows, width, device="cuda", generator=g, dtype=torch.float64)]
+    norm = modeling_qwen3.Qwen3RMSNorm(width).cuda()
 
     def reference(x, w):
         return torch.func.functional_call(norm, {"weight": w}, (x,))

@@ -135,7 +135,10 @@ def test_kl_and_mismatch_metrics():
     assert metrics["is/ratio_mean"] == pytest.approx(float(d.exp().mean()), rel=1e-6)
 
 
-def test_micro_batches_sum_to_the_whole_batch():
+@pytest.mark.parametrize("read", [True, False], ids=["read", "on_device"])
+def test_micro_batches_sum_to_the_whole_batch(read):
+    """Also with the metrics left on the device (``read_metrics=False``, as train_step runs): 0-dim tensors that
+    the accumulator reduces and reads once, to the same numbers."""
     torch.manual_seed(5)
     n = 13
     logp = torch.randn(n).clamp(max=-0.1).requires_grad_()
@@ -147,7 +150,8 @@ def test_micro_batches_sum_to_the_whole_batch():
     acc = MetricAccumulator()
     total = 0.0
     for part in (slice(0, 5), slice(5, n)):
-        loss, metrics = grpo_loss(logp[part], engine[part], adv[part], cfg, num_loss_tokens=n)
+        loss, metrics = grpo_loss(logp[part], engine[part], adv[part], cfg, num_loss_tokens=n, read_metrics=read)
+        assert all(isinstance(v, float) != (not read) for k, v in metrics.items() if k != "tokens")
         total = total + loss
         acc.add(metrics)
     (split_grad,) = torch.autograd.grad(total, logp)
@@ -156,5 +160,6 @@ def test_micro_batches_sum_to_the_whole_batch():
     reduced = acc.reduce()
     assert reduced.keys() == whole_metrics.keys()
     for key, value in whole_metrics.items():
+        assert isinstance(reduced[key], (int, float)), key
         assert reduced[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
     assert whole_metrics["is/dropped_frac"] > 0 and whole_metrics["is/clipfrac"] > 0  # both paths exercised

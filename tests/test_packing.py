@@ -34,6 +34,8 @@ def check_row(row: PackedRow, samples: list[Sample], pad_id: int) -> None:
     t = row.num_tokens
     assert row.input_ids.shape == row.position_ids.shape == (1, t)
     assert row.input_ids.dtype == row.position_ids.dtype == row.targets.dtype == torch.int64
+    assert row.loss_positions.dtype == torch.int64  # found on the host: the mask's true positions, in order
+    assert row.loss_positions.tolist() == row.loss_mask.nonzero().squeeze(1).tolist()
     assert row.cu_seqlens.dtype == torch.int32 and row.loss_mask.dtype == torch.bool
     assert row.advantages.dtype == row.engine_logprobs.dtype == torch.float32
     cu = row.cu_seqlens.tolist()

@@ -65,8 +65,11 @@ def unison_attention(
         if query.shape[0] != 1:
             raise ValueError(f"packed attention expects batch 1, got {query.shape[0]}")
         max_len = int(kwargs.get("max_length_q") or 0)
-        out = varlen_causal(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                            cu_seqlens, max_len, scale, window, sinks=sinks, softcap=softcap)
+        # squeeze, not [0]: the same view, but a select's backward zero-fills and copies each gradient (three
+        # launches a layer, and the norms' backward then copies the non-contiguous result once more).
+        out = varlen_causal(query.squeeze(0).transpose(0, 1), key.squeeze(0).transpose(0, 1),
+                            value.squeeze(0).transpose(0, 1), cu_seqlens, max_len, scale, window, sinks=sinks,
+                            softcap=softcap)
         return out.unsqueeze(0), None
     if attention_mask is not None and attention_mask.ndim == 4 and attention_mask.shape[-1] == 0:
         raise ValueError("attention_mask=NO_MASK needs engine (paged=) or packed (cu_seq_lens_q=) metadata")

@@ -31,27 +31,55 @@ _ACTIVE = "_unison_fused_training"
 # Row and element counts change with every packed row: Triton would compile a variant for each divisibility of them.
 @triton.jit(do_not_specialize=["n_rows", "rows_per_program"])
 def _rms_norm_backward_kernel(DY, X, W, DX, DW, n_rows, rows_per_program, stride_dy, stride_x, stride_dx, eps,
-                              N: tl.constexpr, BLOCK: tl.constexpr, WEIGHT_GRAD: tl.constexpr):
-    """Rows [pid * rows_per_program, ...): dx of y = w * (x * r).to(dtype), r = rsqrt(mean(x^2) + eps), and this
-    program's partial sum of dw over its rows into DW[pid]."""
+                              N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, WEIGHT_GRAD: tl.constexpr):
+    """Rows [pid * rows_per_program, ...), ROWS at a time (rows_per_program a multiple of ROWS): dx of
+    y = w * (x * r).to(dtype), r = rsqrt(mean(x^2) + eps), and this program's partial sum of dw into DW[pid]."""
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(rows_per_program):
-        row = (pid * rows_per_program + i).to(tl.int64)
-        if row < n_rows:
-            x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-            r = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
-            if WEIGHT_GRAD:  # the forward multiplied w by the normalised value rounded to x's dtype
-                dw += dy * (x * r).to(X.dtype.element_ty).to(tl.float32)
-            dn = dy * w
-            dx = r * dn - x * (r * r * r) * (tl.sum(dn * x, 0) / N)
-            tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+    cols = tl.arange(0, BLOCK)[None, :]
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    dw = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+    first = pid.to(tl.int64) * rows_per_program
+    for i in range(0, rows_per_program, ROWS):
+        row = first + i + tl.arange(0, ROWS)[:, None]
+        mask = (cols < N) & (row < n_rows)
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x, 1, keep_dims=True) / N + eps)
+        if WEIGHT_GRAD:  # the forward multiplied w by the normalised value rounded to x's dtype
+            dw += dy * (x * r).to(X.dtype.element_ty).to(tl.float32)
+        dn = dy * w
+        dx = r * dn - x * (r * r * r) * (tl.sum(dn * x, 1, keep_dims=True) / N)
+        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
     if WEIGHT_GRAD:
-        tl.store(DW + pid * N + cols, dw, mask=mask)
+        flat = tl.arange(0, BLOCK)
+        tl.store(DW + pid * N + flat, tl.sum(dw, 0), mask=flat < N)
+
+
+@triton.jit(do_not_specialize=["n_parts"])
+def _sum_parts_kernel(PARTS, OUT, n_parts, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """OUT[c] = the sum over the n_parts rows of PARTS (fp32, (n_parts, N)) of column c, rounded once to OUT's dtype:
+    the weight gradient from the backward kernel's per-program partial sums, in one launch (torch's sum then cast
+    took two or three: the reduction, its output's memset, the cast)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, n_parts, BLOCK_P):
+        rows = start + tl.arange(0, BLOCK_P)
+        part = tl.load(PARTS + rows[:, None] * N + cols[None, :], mask=(rows[:, None] < n_parts) & (cols[None, :] < N),
+                       other=0.0)
+        acc += tl.sum(part, 0)
+    tl.store(OUT + cols, acc.to(OUT.dtype.element_ty), mask=cols < N)
+
+
+def _sum_parts(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``parts.sum(0).to(dtype)`` for a contiguous fp32 ``parts`` of (P, N), in one launch (same order every call)."""
+    n = parts.shape[1]
+    out = torch.empty(n, dtype=dtype, device=parts.device)
+    # Narrow column blocks and tall tiles: a few iterations over ~1000 parts in several programs (one program
+    # walking them 32 at a time took 37 us a call on the H200).
+    block_n = min(32, triton.next_power_of_2(n))
+    _sum_parts_kernel[(triton.cdiv(n, block_n),)](parts, out, parts.shape[0], N=n, BLOCK_P=256, BLOCK_N=block_n,
+                                                  num_warps=8)
+    return out
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -67,17 +95,18 @@ class _RMSNorm(torch.autograd.Function):
         n = x.shape[-1]
         rows, grads = x.reshape(-1, n).contiguous(), dy.reshape(-1, n).contiguous()
         dx = torch.empty_like(rows)
-        programs = max(1, min(rows.shape[0], 8 * _multiprocessors(x.device)))
-        per_program = -(-rows.shape[0] // programs)
+        per = fused_norm.rows_per_program(n)  # as many rows at a time as the forward
+        programs = max(1, min(-(-rows.shape[0] // per), 8 * _multiprocessors(x.device)))
+        per_program = -(-rows.shape[0] // (programs * per)) * per
         programs = -(-rows.shape[0] // per_program)
         weight_grad = ctx.needs_input_grad[1]
         dw = torch.empty(programs if weight_grad else 1, n, dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(n)
         _rms_norm_backward_kernel[(programs,)](grads, rows, weight, dx, dw, rows.shape[0], per_program,
                                                grads.stride(0), rows.stride(0), dx.stride(0), ctx.eps, N=n,
-                                               BLOCK=block, WEIGHT_GRAD=weight_grad,
-                                               num_warps=1 if block <= 256 else 4 if block <= 2048 else 8)
-        return dx.view(x.shape), (dw.sum(0).to(weight.dtype) if weight_grad else None), None
+                                               BLOCK=block, ROWS=per, WEIGHT_GRAD=weight_grad,
+                                               num_warps=4 if block <= 2048 else 8)
+        return dx.view(x.shape), (_sum_parts(dw, weight.dtype) if weight_grad else None), None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -109,7 +138,10 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return _Rope.apply(q, k, cos, sin)
 
 
-@triton.jit(do_not_specialize=["n"])
+# n (= rows x intermediate size) stays specialised: its divisibility by 16 is the intermediate size's, the same for
+# every row, and without it the masked loads and stores run one element at a time (33 against 12 ms of a 0.6B
+# training step on the H200, bench/results/h200/speed/host).
+@triton.jit
 def _silu_mul_kernel(G, U, Y, DY, DG, DU, n, BLOCK: tl.constexpr, BACKWARD: tl.constexpr):
     """Forward: y = silu(g).to(dtype) * u, rounded as transformers' two operations round. Backward: du and dg."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

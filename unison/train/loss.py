@@ -78,7 +78,8 @@ class LossConfig:
 def grpo_loss(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, advantages: torch.Tensor,
               cfg: LossConfig, num_loss_tokens: int, *, divisor: torch.Tensor | float | None = None,
               seq_lens: list[int] | None = None, old_logprobs: torch.Tensor | None = None,
-              ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+              ref_logprobs: torch.Tensor | None = None, read_metrics: bool = True
+              ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one micro-batch and its metrics.
 
     logprobs: (M,) float32, the trainer's, differentiable; engine_logprobs, advantages: (M,) float32.
@@ -88,6 +89,9 @@ def grpo_loss(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, advantages:
     seq_lens: the lengths of the micro-batch's sequences, in order, summing to M (needed by 'gspo').
     old_logprobs: (M,) float32, the trainer's before the step's first update: the PPO ratio's denominator (None:
     the engine's). ref_logprobs: (M,) float32 of the reference model, for ``cfg.beta`` > 0.
+
+    ``read_metrics=False`` leaves the metric values on the device as 0-dim tensors (``MetricAccumulator`` takes
+    them and reads them once, in ``reduce``), so the step never waits on the GPU between micro-batches.
 
     Returns (loss: () float32, metrics). The metrics are this micro-batch's means over its M tokens
     (``mismatch/logprob_diff_max`` a max) plus ``tokens`` = M; ``MetricAccumulator`` reduces them over
@@ -146,9 +150,10 @@ def grpo_loss(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, advantages:
         ref_kl = torch.exp(ref_diff) - ref_diff - 1.0
         per_token = per_token + cfg.beta * ref_kl
     loss = per_token.sum() / num_loss_tokens if divisor is None else (per_token / divisor).sum()
-    metrics = _metrics(logprobs.detach(), engine_logprobs, advantages, r, dropped, cfg)
+    metrics = _metrics(logprobs.detach(), engine_logprobs, advantages, r, dropped, cfg, read_metrics)
     if ref_kl is not None and logprobs.numel():
-        metrics["kl/ref_mean"] = ref_kl.detach().mean().item()
+        kl = ref_kl.detach().mean()
+        metrics["kl/ref_mean"] = kl.item() if read_metrics else kl
     return loss, metrics
 
 
@@ -183,7 +188,7 @@ def loss_divisor(loss_type: str, seq_lens: list[int], step_tokens: int, step_seq
 
 
 def _metrics(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, advantages: torch.Tensor,
-             ratio: torch.Tensor, dropped: torch.Tensor, cfg: LossConfig) -> dict[str, float]:
+             ratio: torch.Tensor, dropped: torch.Tensor, cfg: LossConfig, read: bool = True) -> dict[str, float]:
     m = logprobs.numel()
     if m == 0:
         return {"tokens": 0}
@@ -205,7 +210,8 @@ def _metrics(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, advantages: 
         diff.mean(),
         diff.max(),
         (engine_ratio - 1.0 - log_ratio).mean(),
-    ]).tolist()
+    ])
+    values = values.tolist() if read else values.unbind()
     keys = ("is/ratio_mean", "is/clipfrac", "clip/low", "clip/high", "is/dropped_frac",
             "mismatch/logprob_diff_mean", "mismatch/logprob_diff_max", "mismatch/kl")
     return {"tokens": m, **dict(zip(keys, values, strict=True))}
@@ -213,7 +219,8 @@ def _metrics(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, advantages: 
 
 class MetricAccumulator:
     """Reduces ``grpo_loss`` metrics over the micro-batches of a step: keys ending in ``_max`` by max,
-    every other key by a token-weighted mean.
+    every other key by a token-weighted mean. Values may be numbers or 0-dim device tensors (read once, in
+    ``reduce``).
 
     >>> acc = MetricAccumulator()
     >>> acc.add({"tokens": 1, "is/ratio_mean": 1.0, "mismatch/logprob_diff_max": 0.1})
@@ -236,12 +243,20 @@ class MetricAccumulator:
             if key == "tokens":
                 continue
             if key.endswith("_max"):
-                self._maxes[key] = max(self._maxes.get(key, float("-inf")), value)
+                held = self._maxes.get(key)
+                self._maxes[key] = value if held is None else (
+                    torch.maximum(torch.as_tensor(held), torch.as_tensor(value))
+                    if isinstance(held, torch.Tensor) or isinstance(value, torch.Tensor) else max(held, value))
             else:
                 self._sums[key] = self._sums.get(key, 0.0) + value * n
 
     def reduce(self) -> dict[str, float]:
-        out: dict[str, float] = {"tokens": self.tokens}
+        out: dict = {"tokens": self.tokens}
         out.update({k: s / self.tokens for k, s in self._sums.items()})
         out.update(self._maxes)
+        on_device = [k for k, v in out.items() if isinstance(v, torch.Tensor)]
+        if on_device:  # one read for all of them
+            device = out[on_device[0]].device
+            read = torch.stack([out[k].float().to(device) for k in on_device]).tolist()
+            out.update(zip(on_device, read, strict=True))
         return out

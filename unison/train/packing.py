@@ -29,7 +29,8 @@ class PackedRow:
     input_ids: (1, T) int64. position_ids: (1, T) int64, restarting at 0 per segment.
     cu_seqlens: (S+1,) int32, ``[0, cumsum(segment lengths)]``; S = num_samples (+1 if padded).
     max_seqlen: the longest segment. targets: (T,) int64, the next token of the same sample (``pad_id``
-    at segment ends and in padding). loss_mask: (T,) bool, true where ``targets`` is a completion token.
+    at segment ends and in padding). loss_mask: (T,) bool, true where ``targets`` is a completion token;
+    loss_positions: (M,) int64, those positions in order (computed on the host: on the GPU finding them waits on it).
     advantages, engine_logprobs: (T,) float32, the sample's advantage and the engine's logprob of the
     target token on masked positions, 0 elsewhere.
     sample_index: for each sample segment in row order, its index in the list given to ``pack_samples``.
@@ -43,6 +44,7 @@ class PackedRow:
     max_seqlen: int
     targets: torch.Tensor
     loss_mask: torch.Tensor
+    loss_positions: torch.Tensor
     advantages: torch.Tensor
     engine_logprobs: torch.Tensor
     sample_index: tuple[int, ...]
@@ -149,6 +151,7 @@ def _build_row(samples: list[Sample], index: list[int], pad_id: int, pad_to: int
         max_seqlen=max(seg_lens),
         targets=torch.tensor(targets, dtype=torch.int64),
         loss_mask=torch.tensor(mask, dtype=torch.bool),
+        loss_positions=torch.tensor([t for t, m in enumerate(mask) if m], dtype=torch.int64),
         advantages=torch.tensor(advantages, dtype=torch.float32),
         engine_logprobs=torch.tensor(engine_lp, dtype=torch.float32),
         sample_index=tuple(index),

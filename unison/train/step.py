@@ -62,39 +62,42 @@ def train_step(model: torch.nn.Module, optimizer: MasterAdamW, samples: list[Sam
     local_tokens = sum(s.num_loss_tokens for s in trained)
     num_loss_tokens = int(step_sum(local_tokens))
     num_sequences = int(step_sum(len(samples)))  # truncated ones masked out still count, as in TRL
+    # Everything a row needs on the device before the first forward, and nothing read back until the optimizer
+    # step: between micro-batches the host never waits on the GPU (a blocking copy or a read per row used to empty
+    # its queue, and the next forward started on an idle GPU).
+    seq_lens = [[trained[j].num_loss_tokens for j in row.sample_index] for row in rows]
+    divisors = [loss_divisor(loss_cfg.type, lens, num_loss_tokens, num_sequences, local_tokens, replicas,
+                             max_completion_length) for lens in seq_lens]
+    divisors = [d.to(device) if isinstance(d, torch.Tensor) else d for d in divisors]
+    rows = [row.to(device) for row in rows]
     with local_forward(model, topology)():  # a LoRA policy's base, under tensor parallelism on its local shards
-        refs = [reference.logprobs(row.to(device), temperature or 1.0, logprob_chunk) if reference is not None
+        refs = [reference.logprobs(row, temperature or 1.0, logprob_chunk) if reference is not None
                 else None for row in rows]
     olds: list[torch.Tensor | None] = [None] * len(rows)
     acc = MetricAccumulator()
-    total_loss = 0.0
+    total_loss = torch.zeros((), dtype=torch.float32, device=device)
     for iteration in range(num_iterations):
         # Under tensor parallelism: the local shards with explicit collectives (unison.dist.tensor_parallel).
         with checkpointed_layers(model, activation_checkpointing), local_forward(model, topology)(train=True), \
                 dropout_active(model), training_kernels(model, kernels):
             for i, row in enumerate(rows):
-                row = row.to(device)
                 logprobs, entropy = policy_logprobs(model, row, temperature=temperature or 1.0,
                                                     chunk_size=logprob_chunk, with_entropy=True, kernels=kernels)
-                mask = row.loss_mask
-                seq_lens = [trained[j].num_loss_tokens for j in row.sample_index]
-                divisor = loss_divisor(loss_cfg.type, seq_lens, num_loss_tokens, num_sequences, local_tokens,
-                                       replicas, max_completion_length)
-                if isinstance(divisor, torch.Tensor):
-                    divisor = divisor.to(device)
-                loss, metrics = grpo_loss(logprobs, row.engine_logprobs[mask], row.advantages[mask], loss_cfg,
-                                          num_loss_tokens, divisor=divisor, seq_lens=seq_lens, old_logprobs=olds[i],
-                                          ref_logprobs=refs[i])
+                at = row.loss_positions
+                loss, metrics = grpo_loss(logprobs, row.engine_logprobs.index_select(0, at),
+                                          row.advantages.index_select(0, at), loss_cfg, num_loss_tokens,
+                                          divisor=divisors[i], seq_lens=seq_lens[i], old_logprobs=olds[i],
+                                          ref_logprobs=refs[i], read_metrics=False)
                 if iteration == 0 and num_iterations > 1:
                     olds[i] = logprobs.detach()
                 loss.backward()
-                total_loss += loss.item() / num_iterations
-                metrics["policy/entropy_mean"] = entropy.mean().item()
+                total_loss += loss.detach() / num_iterations
+                metrics["policy/entropy_mean"] = entropy.mean()
                 acc.add(metrics)
         stats = _optimizer_step(model, optimizer, dp_group, trained_any=bool(rows))
     out = acc.reduce()
     out.pop("tokens")
-    out.update({"loss": total_loss, "optim/lr": stats.lr, "optim/grad_norm": stats.grad_norm,
+    out.update({"loss": total_loss.item(), "optim/lr": stats.lr, "optim/grad_norm": stats.grad_norm,
                 "optim/changed_frac": stats.changed_fraction, "train/rows": float(len(rows)),
                 "train/loss_tokens": float(local_tokens), "train/samples": float(len(samples)),
                 "train/tokens": float(sum(s.num_tokens for s in samples))})
