@@ -17,6 +17,7 @@ import json
 import time
 
 import torch
+import triton
 from engine import build, prompts_for, sync
 
 from unison.engine import Engine, EngineConfig, SamplingParams
@@ -53,7 +54,6 @@ def main():
 
     gc.callbacks.append(on_gc)
     compiled: list[str] = []  # kernel variants Triton builds during the run (none, after a complete warm-up)
-    import triton
 
     def on_compile(*_, **kwargs):
         compiled.append(getattr(kwargs.get("fn"), "name", "?"))

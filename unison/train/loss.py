@@ -244,9 +244,7 @@ class MetricAccumulator:
                 continue
             if key.endswith("_max"):
                 held = self._maxes.get(key)
-                self._maxes[key] = value if held is None else (
-                    torch.maximum(torch.as_tensor(held), torch.as_tensor(value))
-                    if isinstance(held, torch.Tensor) or isinstance(value, torch.Tensor) else max(held, value))
+                self._maxes[key] = value if held is None else _larger(held, value)
             else:
                 self._sums[key] = self._sums.get(key, 0.0) + value * n
 
@@ -260,3 +258,10 @@ class MetricAccumulator:
             read = torch.stack([out[k].float().to(device) for k in on_device]).tolist()
             out.update(zip(on_device, read, strict=True))
         return out
+
+
+def _larger(a, b):
+    """max of two numbers or 0-dim tensors, on the device where either is a tensor (no read)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return torch.maximum(torch.as_tensor(a), torch.as_tensor(b))
+    return max(a, b)
