@@ -34,6 +34,15 @@ def timed(device: torch.device, fn) -> float:
     return time.perf_counter() - t0
 
 
+def setup(shape: str, device: str, new: int):
+    """The shape's model, a copy of its starting weights, one rollout's samples (``rollout_samples``) and an
+    optimizer at lr 1e-6."""
+    model = build(shape, device, torch.bfloat16, "unison")
+    start = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    samples = rollout_samples(model, new)
+    return model, start, samples, build_optimizer(model.named_parameters(), OptimConfig(lr=1e-6), total_steps=100)
+
+
 def rollout_samples(model: torch.nn.Module, new: int) -> list:
     """One real rollout of ``model``: PROMPTS random prompts x GROUP completions of ``new`` tokens, random rewards."""
     engine = Engine(model, EngineConfig(num_blocks=PROMPTS * GROUP * (-(-(PROMPT_TOKENS + new) // 16) + 1),
@@ -56,10 +65,7 @@ def main():
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device(args.device)
-    model = build(args.shape, args.device, torch.bfloat16, "unison")
-    start = {n: t.detach().clone() for n, t in model.state_dict().items()}
-    samples = rollout_samples(model, args.new)
-    opt = build_optimizer(model.named_parameters(), OptimConfig(lr=1e-6), total_steps=100)
+    model, start, samples, opt = setup(args.shape, args.device, args.new)
 
     def step(rows: int, kernels: bool = True) -> dict:
         metrics = train_step(model, opt, samples, LossConfig(), 1.0, rows, 0, 1024, kernels=kernels)

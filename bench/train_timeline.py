@@ -21,12 +21,11 @@ import time
 from collections import defaultdict
 
 import torch
-from engine import SHAPES, build, commit
-from train_profile import rollout_samples
+from engine import SHAPES, commit
+from train_profile import setup
 
 import unison.train.step as step_module
 from unison.train.loss import LossConfig
-from unison.train.optimizer import OptimConfig, build_optimizer
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -99,10 +98,7 @@ def main():
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device(args.device)
-    model = build(args.shape, args.device, torch.bfloat16, "unison")
-    start = {n: t.detach().clone() for n, t in model.state_dict().items()}
-    samples = rollout_samples(model, args.new)
-    opt = build_optimizer(model.named_parameters(), OptimConfig(lr=1e-6), total_steps=100)
+    model, start, samples, opt = setup(args.shape, args.device, args.new)
 
     def step():
         step_module.train_step(model, opt, samples, LossConfig(), 1.0, args.rows, 0, 1024)
