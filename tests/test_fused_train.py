@@ -228,3 +228,34 @@ def test_adamw_kernel_equals_pytorch(grad_dtype):
         changed = [write_back(params[0], states[0][0], kernel=False), triton_adamw.write_back(params[1], states[1][0])]
         assert torch.equal(params[1].view(torch.int16), params[0].view(torch.int16))
         assert torch.equal(changed[1], changed[0]) and 0 < int(changed[0].sum()) < n
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_one_launch_step_equals_the_per_tensor_kernels(grad_dtype):
+    """``MultiTensorStep``: every tensor's AdamW update and write-back in one launch, equal to the per-tensor
+    kernels (fp32 state bit for bit, bf16 parameters and changed masks too), over tensors of one, several and a
+    partial chunk; the masks are views of one buffer of exactly their elements, so ``_count_true`` sums it once."""
+    from unison.train import triton_adamw
+    from unison.train.adamw import AdamWStep
+    from unison.train.optimizer import _count_true
+
+    g = torch.Generator().manual_seed(6)
+    shapes = [(20000,), (3, 7), (1,), (300, 40)]  # chunks of 8192 elements: 3, 1, 1, 2 programs
+    params = [[torch.randn(s, generator=g).bfloat16() for s in shapes]]
+    params.append([p.clone() for p in params[0]])
+    states = [[[p.float(), torch.zeros(p.shape), torch.zeros(p.shape)] for p in ps] for ps in params]
+    multi = triton_adamw.MultiTensorStep(*([s[i] for s in states[1]] for i in range(3)), params[1])
+    for step in range(1, 4):
+        grads = [(torch.randn(s, generator=g) * 10 ** -step).to(grad_dtype) for s in shapes]
+        scalars = AdamWStep(step, 1e-3, 0.9, 0.95, 1e-8, 0.1, grad_scale=0.5).kernel_scalars()
+        masks = multi(grads, scalars)
+        for i, grad in enumerate(grads):
+            master, exp_avg, exp_avg_sq = states[0][i]
+            triton_adamw.adamw_step(master, grad, exp_avg, exp_avg_sq, **scalars)
+            changed = triton_adamw.write_back(params[0][i], master)
+            for ours, theirs in zip(states[1][i], states[0][i], strict=True):
+                assert torch.equal(ours, theirs)
+            assert torch.equal(params[1][i].view(torch.int16), params[0][i].view(torch.int16))
+            assert masks[i].shape == shapes[i] and torch.equal(masks[i], changed)
+        assert {id(m._base) for m in masks} == {id(masks[0]._base)}
+        assert _count_true(masks + [torch.ones(5, dtype=torch.bool)]) == sum(int(m.sum()) for m in masks) + 5 > 5

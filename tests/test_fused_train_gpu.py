@@ -141,3 +141,33 @@ def test_adamw_kernels_equal_pytorch_on_the_gpu():
     mismatch = (kparam.view(torch.int16) != param.view(torch.int16)).float().mean().item()
     assert mismatch < 1e-5  # only where the fp32 masters straddle a bf16 rounding boundary
     assert (kchanged != changed).float().mean().item() < 1e-5
+
+
+def test_one_launch_optimizer_step_equals_a_launch_per_tensor():
+    """``DeviceStore``'s one-launch step against its launch-per-tensor path over ten steps of ``MasterAdamW``: the
+    bf16 parameters, masters, changed masks and changed fraction the same, an fp32 parameter (outside the launch)
+    among them."""
+    from test_optimizer import make_params, set_grads
+
+    from unison.train.optimizer import MasterAdamW, OptimConfig
+    from unison.train.state_store import DeviceStore
+
+    cfg = OptimConfig(lr=1e-4, weight_decay=0.01, max_grad_norm=1.0)
+    runs = []
+    for one_launch in (True, False):
+        params = {n: torch.nn.Parameter(p.cuda()) for n, p in make_params(torch.bfloat16).items()}
+        params["fp32"] = torch.nn.Parameter(torch.randn(33, 17, generator=torch.Generator().manual_seed(1)).cuda())
+        opt = MasterAdamW(params.items(), cfg, total_steps=10, store=DeviceStore(fused=one_launch))
+        fractions = []
+        for step in range(10):
+            set_grads(params, step, 1.0)
+            fractions.append(opt.step().changed_fraction)
+        runs.append((params, opt, fractions))
+    (a, fused_opt, fused_fractions), (b, plain_opt, plain_fractions) = runs
+    assert fused_opt.store._multi and not plain_opt.store._multi
+    assert fused_fractions == plain_fractions and 0 < fused_fractions[-1] < 1
+    for name in a:
+        assert torch.equal(a[name].view(torch.int16 if a[name].dtype == torch.bfloat16 else torch.int32),
+                           b[name].view(torch.int16 if b[name].dtype == torch.bfloat16 else torch.int32)), name
+        assert torch.equal(fused_opt.state[name].master, plain_opt.state[name].master), name
+        assert torch.equal(fused_opt.changed_masks[name], plain_opt.changed_masks[name]), name

@@ -21,6 +21,30 @@ class AdamState:
     """fp32, same shape."""
 
 
+@dataclass(frozen=True)
+class AdamWStep:
+    """One step's AdamW hyperparameters, applied to a tensor by calling it (``adamw_step``); a store that steps many
+    tensors at once (``DeviceStore``'s one-launch path) reads them from here."""
+    step: int
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_scale: float = 1.0
+
+    def __call__(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 grad: torch.Tensor) -> None:
+        adamw_step(master, grad, exp_avg, exp_avg_sq, step=self.step, lr=self.lr, beta1=self.beta1, beta2=self.beta2,
+                   eps=self.eps, weight_decay=self.weight_decay, grad_scale=self.grad_scale)
+
+    def kernel_scalars(self) -> dict[str, float]:
+        """The Triton kernels' arguments (``unison.train.triton_adamw``), from Python doubles."""
+        return dict(grad_scale=self.grad_scale, decay=1.0 - self.lr * self.weight_decay, beta1=self.beta1,
+                    beta2=self.beta2, step_size=self.lr / (1.0 - self.beta1**self.step),
+                    bc2_sqrt=math.sqrt(1.0 - self.beta2**self.step), eps=self.eps)
+
+
 def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                grad_scale: float = 1.0, kernel: bool = True) -> None:
@@ -30,9 +54,8 @@ def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     one kernel (``unison.train.triton_adamw``) with ``kernel``; PyTorch's operations otherwise.
     """
     if kernel and master.is_cuda and 0.5 < beta1 < 1.0 and _kernels().covered(master, grad, exp_avg, exp_avg_sq):
-        _kernels().adamw_step(master, grad, exp_avg, exp_avg_sq, grad_scale=grad_scale, decay=1.0 - lr * weight_decay,
-                              beta1=beta1, beta2=beta2, step_size=lr / (1.0 - beta1**step),
-                              bc2_sqrt=math.sqrt(1.0 - beta2**step), eps=eps)
+        scalars = AdamWStep(step, lr, beta1, beta2, eps, weight_decay, grad_scale).kernel_scalars()
+        _kernels().adamw_step(master, grad, exp_avg, exp_avg_sq, **scalars)
         return
     grad = grad.to(torch.float32)
     if grad_scale != 1.0:

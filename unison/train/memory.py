@@ -181,7 +181,10 @@ def auto_row_tokens(plan_for: Callable[[int], MemoryPlan], longest_sample: int) 
     Longer rows mean fewer, larger micro-batches: a 1.7B model's step over 64 x 576 tokens on an H200 took 2.04 s
     in rows of 4096 tokens, 1.50 s in rows of 8192 and 1.47 s in rows of 16384 (bench/train_profile.py), because
     short rows leave the step bound by kernel launches; with the fused training kernels, 1.02 and 0.95 s (0.63 and
-    0.55 s at 0.6B: bench/results/h200/speed). Without a GPU the plan has no device size: 4096."""
+    0.55 s at 0.6B: bench/results/h200/speed). Rows of 32768 gained nothing more once the optimizer
+    step took one launch (0.6B: 0.428 s at 16384, 0.435 at 32768; 1.7B: 0.879 and 0.888 s), and the 1.7B loop then
+    peaked at 118 of the H200's 139 GiB (bench/results/h200/speed/optimizer). Without a GPU the plan has no device
+    size: 4096."""
     plans = {tokens: plan_for(tokens) for tokens in AUTO_ROW_TOKENS}
     if plans[AUTO_ROW_TOKENS[0]].device_gib is None:
         return max(4096, longest_sample)

@@ -24,9 +24,9 @@ from ..config import check_literals
 from ..dist.runtime import local
 from ..dist.tensor_parallel import partial_grad_names
 from ..dist.topology import Topology
-from .adamw import adamw_step
+from .adamw import AdamWStep
 from .ownership import Ownership
-from .state_store import DeviceStore, HostStore, StateStore, Update
+from .state_store import DeviceStore, HostStore, StateStore
 
 
 @dataclass
@@ -169,26 +169,33 @@ class MasterAdamW:
         work = [(name, self.state[name], local(p.data), local(p.grad))
                 for name, p in stepped.items() if self.ownership.owns(name)]
         self.changed_masks = self.ownership.share(stepped, self.store.update(work, self._update(grad_scale, lr)))
-        # Counted on the device, read once (a read per tensor waited on the GPU ~300 times a step).
-        counts = [m.sum() for m in self.changed_masks.values()]
-        num_changed = int(torch.stack(counts).sum()) if counts else 0
+        num_changed = _count_true(self.changed_masks.values())
         numel = sum(m.numel() for m in self.changed_masks.values())
         self.changed_fraction = num_changed / numel if numel else 0.0
         return StepStats(step=self.step_count, lr=lr, grad_norm=grad_norm,
                          changed_fraction=self.changed_fraction, num_changed=num_changed)
 
-    def _update(self, grad_scale: float, lr: float) -> Update:
+    def _update(self, grad_scale: float, lr: float) -> AdamWStep:
         """This step's AdamW arithmetic on one tensor (or a chunk of one), for the store to run where it keeps it."""
-        cfg, step = self.cfg, self.step_count
-
-        def update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor):
-            adamw_step(master, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
-                       eps=cfg.eps, weight_decay=cfg.weight_decay, grad_scale=grad_scale)
-        return update
+        cfg = self.cfg
+        return AdamWStep(step=self.step_count, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
+                         weight_decay=cfg.weight_decay, grad_scale=grad_scale)
 
     def zero_grad(self) -> None:
         for p in self.params.values():
             p.grad = None
+
+
+def _count_true(masks: Iterable[torch.Tensor]) -> int:
+    """True elements over ``masks``, counted on the device and read once (a read per tensor waited on the GPU ~300
+    times a step). Masks that are views of one buffer (``DeviceStore``'s one-launch step writes them all into one)
+    are counted in one sum over it: the store's buffer holds their elements and False padding, nothing else."""
+    bases = {}
+    for m in masks:
+        base = m if m._base is None else m._base
+        bases[id(base)] = base
+    counts = [b.sum() for b in bases.values()]
+    return int(torch.stack(counts).sum()) if counts else 0
 
 
 def trainable(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.nn.Parameter]:

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from .adamw import AdamState, write_back
+from .adamw import AdamState, AdamWStep, write_back
 
 Update = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 """``update(master, exp_avg, exp_avg_sq, grad)``: one AdamW step in place; fp32 state, grad in its own dtype."""
@@ -34,7 +34,13 @@ class StateStore(Protocol):
 
 
 class DeviceStore:
-    """State beside the parameters: 12 bytes per parameter on its device."""
+    """State beside the parameters: 12 bytes per parameter on its device. On a GPU, with bf16 parameters, every
+    tensor's update and write-back run in one launch (``triton_adamw.MultiTensorStep``; ``fused=False``: a launch
+    or two each)."""
+
+    def __init__(self, fused: bool = True):
+        self.fused = fused
+        self._multi: dict[tuple[str, ...], object] = {}
 
     def allocate(self, tensors: dict[str, torch.Tensor]) -> dict[str, AdamState]:
         return {name: AdamState(master=t.detach().to(torch.float32, copy=True),
@@ -43,9 +49,44 @@ class DeviceStore:
                 for name, t in tensors.items()}
 
     def update(self, work: Work, update: Update) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, state, data, grad in work:
-            update(state.master, state.exp_avg, state.exp_avg_sq, grad)
-            yield name, write_back(data, state.master)
+        masks: dict[str, torch.Tensor] = {}
+        if self.fused and isinstance(update, AdamWStep) and 0.5 < update.beta1 < 1.0:
+            for group in _one_launch_groups(work):
+                grads = [grad for _, _, _, grad in group]
+                masks.update(zip((name for name, *_ in group), self._multi_step(group)(grads, update.kernel_scalars()),
+                                 strict=True))
+        for name, state, data, grad in work:  # in order: an ownership policy broadcasts each as it comes
+            if name not in masks:
+                update(state.master, state.exp_avg, state.exp_avg_sq, grad)
+                masks[name] = write_back(data, state.master)
+            yield name, masks[name]
+
+    def _multi_step(self, group: Work):
+        from .triton_adamw import MultiTensorStep  # Triton only where the kernels run
+
+        states = [state for _, state, _, _ in group]
+        tensors = ([s.master for s in states], [s.exp_avg for s in states], [s.exp_avg_sq for s in states],
+                   [data for _, _, data, _ in group])
+        key = tuple(name for name, *_ in group)
+        step = self._multi.get(key)
+        if step is None or not step.matches(*tensors):
+            step = self._multi[key] = MultiTensorStep(*tensors)
+        return step
+
+
+def _one_launch_groups(work: Work) -> list[Work]:
+    """The tensors of ``work`` that ``MultiTensorStep`` takes (bf16 parameters on a GPU, every tensor contiguous and
+    16-byte aligned, fp32 or bf16 gradients), grouped by device and gradient dtype: one launch each."""
+    groups: dict[tuple, Work] = {}
+    for item in work:
+        _, state, data, grad = item
+        tensors = (state.master, state.exp_avg, state.exp_avg_sq, data, grad)
+        if (data.is_cuda and data.dtype == torch.bfloat16 and grad.dtype in (torch.bfloat16, torch.float32)
+                and data.numel() > 0 and all(t.is_contiguous() and t.device == data.device for t in tensors)
+                and all(t.dtype == torch.float32 for t in tensors[:3])
+                and all(t.data_ptr() % 16 == 0 for t in tensors)):
+            groups.setdefault((data.device, grad.dtype), []).append(item)
+    return list(groups.values())
 
 
 class HostStore:
