@@ -19,19 +19,17 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 import torch
 
-from ..dist.tensor_parallel import local_forward
 from ..dist.topology import Topology
-from ..lora import MergedAdapters, engine_merges, is_lora
 from ..vision import model as vlm
 from ..vision.inputs import Segment, language_inputs
 from ..vision.prompt import ImagePrompt
-from . import mla, moe, state
-from .attention import ATTN_NAME, NO_MASK
+from . import mla, state
+from .attention import NO_MASK
 from .backend import AttentionBackend, PagedBatch, StepLayout, TorchPagedBackend
 from .cache import BlockAllocator, KVPool, kv_widths
 from .lm_head import decoder_of, lm_head_of
 from .overlap import Overlap
-from .parts import WithMerged, check_request, eos_ids, fork_rows, resolve_kernels, snapshot_slots, state_pool
+from .parts import check_request, engine_forward, eos_ids, fork_rows, resolve_kernels, snapshot_slots, state_pool, uncut
 from .sampler import apply_repetition_penalty, sample
 from .scheduler import Request, ScheduledChunk, Scheduler
 from .seeding import SEED_RANGE, request_seed, token_seed
@@ -50,11 +48,6 @@ class Engine:
         if config.num_blocks < 1:
             raise ValueError("EngineConfig.num_blocks must be >= 1 for an Engine (0 means 'sized by unison train')")
         text = model.config.get_text_config()
-        if model.config._attn_implementation != ATTN_NAME:
-            # Once, before the engine's first forward; the unison function serves plain forwards exactly as
-            # SDPA does, so other users of the model see no change. Never switched back and forth.
-            log.info("switching %s to the %r attention implementation", type(model).__name__, ATTN_NAME)
-            model.set_attn_implementation(ATTN_NAME)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         # Decoder to the final hidden states, then the same fp32-output projection and head transform the trainer uses.
@@ -71,16 +64,7 @@ class Engine:
         if kv_heads % tp:
             raise ValueError(f"{text.model_type}: {kv_heads} KV heads do not split across tensor-parallel size {tp}")
         kv_heads //= tp
-        # ... and its forwards run on the local shards with explicit all-reduces, not through DTensor dispatch.
-        self.local_forward = local_forward(model, topology)
-        # A LoRA policy's adapters: PEFT's unmerged layers, or merged copies of the adapted weights for the engine.
-        self.lora_merged = MergedAdapters(model) if is_lora(model) and engine_merges(
-            config.lora_weights, model, self.device, tensor_parallel=tp > 1) else None
-        if self.lora_merged is not None:
-            self.local_forward = WithMerged(self.local_forward, self.lora_merged)
-        experts = moe.kernel_modules(model) if config.moe_kernel == "triton" else []
-        if experts:  # the engine's forwards only (prefill and the captured decode step); training keeps transformers'
-            self.local_forward = moe.WithExpertsKernels(self.local_forward, experts)
+        self.local_forward, self.lora_merged = engine_forward(model, config, self.device, topology)
         # One block more than the allocator hands out: the scratch block that padded graph rows write into.
         self.pool = KVPool(config.num_blocks + 1, config.block_size, kv_widths(text, tp, config.mla_cache),
                            self.dtype, self.device)
@@ -286,7 +270,7 @@ class Engine:
 
     def _fused_rows(self, reqs: list[Request]) -> bool:
         """Whether the fused sampler samples every one of ``reqs`` from the logits alone."""
-        return all(_uncut(r.params) and r.params.repetition_penalty == 1 for r in reqs)
+        return all(uncut(r.params) and r.params.repetition_penalty == 1 for r in reqs)
 
     def _decode_ahead(self) -> bool:
         """Launch the decode step after the newest in-flight one, on its requests that may go on, with its sampled
@@ -416,7 +400,7 @@ class Engine:
                                               [reqs[i].params.repetition_penalty for i in penalised])
         temperature = [r.params.temperature for r in reqs]
         # The fused sampler has no top-k/top-p/min-p cut: a batch with any of them samples here in PyTorch.
-        if self._fused_sample is not None and all(_uncut(r.params) for r in reqs):
+        if self._fused_sample is not None and all(uncut(r.params) for r in reqs):
             drawn = self._seed_rng.integers(0, SEED_RANGE, len(reqs)).tolist()
             index = index or [len(r.output) for r in reqs]
             seeds = [d if r.seed is None else token_seed(r.seed, r.seed_offset + i)
@@ -511,7 +495,3 @@ class Engine:
         return Completion(req.request_id, req.group_id, list(req.prompt), list(req.output), list(req.logprobs),
                           reason, list(req.versions), stop_string)
 
-
-def _uncut(params: SamplingParams) -> bool:
-    """No top-k, top-p or min-p cut: the fused sampler's rows."""
-    return params.top_k == 0 and params.top_p == 1 and params.min_p == 0

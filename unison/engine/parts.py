@@ -1,20 +1,50 @@
-"""What an ``Engine`` derives from its model and config: the hybrid layers' state pool, the kernels, the eos ids,
-a LoRA policy's merged weights around its forwards; the checks every request passes before it is queued; and the
-rows a step's forked requests sample from."""
+"""What an ``Engine`` derives from its model and config: its forwards (local shards, a LoRA policy's merged weights,
+MoE experts' kernels), the hybrid layers' state pool, the kernels, the eos ids; the checks every request passes
+before it is queued; and the rows a step's forked requests sample from."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
-from ..lora import MergedAdapters
-from . import state
+from ..dist.tensor_parallel import local_forward
+from ..dist.topology import Topology
+from ..lora import MergedAdapters, engine_merges, is_lora
+from . import moe, state
+from .attention import ATTN_NAME
 from .cache import KVPool
 from .scheduler import Request
 from .types import EngineConfig, SamplingParams
+
+log = logging.getLogger(__name__)
+
+def engine_forward(model: torch.nn.Module, config: EngineConfig, device: torch.device, topology: Topology | None
+                   ) -> tuple[object, MergedAdapters | None]:
+    """The context the engine's forwards run in, and a LoRA policy's merged adapters (or None).
+
+    Under tensor parallelism the forwards run on the local shards with explicit all-reduces, not through DTensor
+    dispatch. A LoRA policy's adapters are PEFT's unmerged layers, or merged copies of the adapted weights for the
+    engine (``config.lora_weights``). MoE experts run unison's kernels in the engine's forwards only (prefill and the
+    captured decode step); training keeps transformers'. Switches the model to unison's attention function first."""
+    if model.config._attn_implementation != ATTN_NAME:
+        # Once, before the engine's first forward; the unison function serves plain forwards exactly as
+        # SDPA does, so other users of the model see no change. Never switched back and forth.
+        log.info("switching %s to the %r attention implementation", type(model).__name__, ATTN_NAME)
+        model.set_attn_implementation(ATTN_NAME)
+    forward = local_forward(model, topology)
+    tp = topology.tp_size if topology is not None else 1
+    merged = MergedAdapters(model) if is_lora(model) and engine_merges(
+        config.lora_weights, model, device, tensor_parallel=tp > 1) else None
+    if merged is not None:
+        forward = WithMerged(forward, merged)
+    experts = moe.kernel_modules(model) if config.moe_kernel == "triton" else []
+    if experts:
+        forward = moe.WithExpertsKernels(forward, experts)
+    return forward, merged
 
 
 def snapshot_slots(config: EngineConfig) -> int:
@@ -110,3 +140,8 @@ def fork_rows(forks: list[tuple[Request, Request]], logits: torch.Tensor, sampli
     row = {id(r): i for i, r in enumerate(sampling)}
     rows = torch.tensor([row[id(lead)] for _, lead in forks], device=logits.device)
     return torch.cat([logits, logits.index_select(0, rows)]), sampling + [req for req, _ in forks]
+
+
+def uncut(params: SamplingParams) -> bool:
+    """No top-k, top-p or min-p cut: the fused sampler's rows."""
+    return params.top_k == 0 and params.top_p == 1 and params.min_p == 0
