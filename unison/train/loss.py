@@ -119,8 +119,9 @@ def grpo_loss(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, advantages:
     if cfg.type == "gspo":
         if seq_lens is None or sum(seq_lens) != logprobs.numel():
             raise ValueError(f"type='gspo' needs seq_lens summing to {logprobs.numel()}, got {seq_lens}")
-        seq_ids = torch.repeat_interleave(torch.arange(len(seq_lens), device=logprobs.device),
-                                          torch.tensor(seq_lens, device=logprobs.device))
+        # Made on the host and sent without a wait (on the device, repeat_interleave reads its size back).
+        seq_ids = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens)).to(
+            logprobs.device, non_blocking=True)
     base = engine_logprobs if old_logprobs is None else old_logprobs
     log_ratio = _level((logprobs - base).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO), seq_ids, seq_lens)
     ratio = torch.exp(log_ratio)
@@ -161,7 +162,7 @@ def _level(log_ratio: torch.Tensor, seq_ids: torch.Tensor | None, seq_lens: list
     """Token-level log-ratios as they are, or (seq_ids given) each sequence's mean at every one of its tokens."""
     if seq_ids is None:
         return log_ratio
-    lens = torch.tensor(seq_lens, dtype=log_ratio.dtype, device=log_ratio.device)
+    lens = torch.tensor(seq_lens, dtype=log_ratio.dtype).to(log_ratio.device, non_blocking=True)
     sums = torch.zeros(len(seq_lens), dtype=log_ratio.dtype, device=log_ratio.device).index_add(0, seq_ids, log_ratio)
     return (sums / lens)[seq_ids]
 
