@@ -259,3 +259,19 @@ def test_one_launch_step_equals_the_per_tensor_kernels(grad_dtype):
             assert masks[i].shape == shapes[i] and torch.equal(masks[i], changed)
         assert {id(m._base) for m in masks} == {id(masks[0]._base)}
         assert _count_true(masks + [torch.ones(5, dtype=torch.bool)]) == sum(int(m.sum()) for m in masks) + 5 > 5
+
+
+def test_one_launch_tables_stay_few_when_the_stepped_set_changes():
+    """A new set of stepped tensors builds a new table; the store keeps a few, not one per set ever seen (an MoE
+    expert that no token reached has no gradient, so the set can change every step)."""
+    from unison.train.adamw import AdamState
+    from unison.train.state_store import _MULTI_CACHE, DeviceStore
+
+    store = DeviceStore()
+    tensors = {f"w{i}": torch.zeros(4, dtype=torch.bfloat16) for i in range(8)}
+    states = store.allocate(tensors)
+    assert all(isinstance(s, AdamState) for s in states.values())
+    for drop in range(8):  # each step one tensor without a gradient
+        group = [(n, states[n], t, torch.zeros(4, dtype=torch.bfloat16)) for n, t in tensors.items() if n != f"w{drop}"]
+        assert store._multi_step(group) is store._multi_step(group)  # the same set: the same table
+        assert len(store._multi) <= _MULTI_CACHE

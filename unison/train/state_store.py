@@ -33,6 +33,9 @@ class StateStore(Protocol):
         """Step every tensor of ``work`` in order, yielding ``(name, changed mask)`` once each is written back."""
 
 
+_MULTI_CACHE = 4
+
+
 class DeviceStore:
     """State beside the parameters: 12 bytes per parameter on its device. On a GPU, with bf16 parameters, every
     tensor's update and write-back run in one launch (``triton_adamw.MultiTensorStep``; ``fused=False``: a launch
@@ -70,6 +73,8 @@ class DeviceStore:
         key = tuple(name for name, *_ in group)
         step = self._multi.get(key)
         if step is None or not step.matches(*tensors):
+            if len(self._multi) >= _MULTI_CACHE:  # the set of stepped tensors can change every step (an MoE expert
+                self._multi.clear()               # no token reached has no gradient): keep a few tables, not all
             step = self._multi[key] = MultiTensorStep(*tensors)
         return step
 
