@@ -101,8 +101,8 @@ _COLUMNS = 7  # a tensor's row of the table: master, exp_avg, exp_avg_sq, param 
 @triton.jit
 def _multi_tensor_block(grad, master, exp_avg, exp_avg_sq, param, changed, offs, n, grad_scale, decay,
                         one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps, MASKED: tl.constexpr):
-    """One block of one tensor: masked only at its end (a mask from an element count read at run time runs the
-    loads one element at a time)."""
+    """One block of one tensor: masked only at its end. With every block masked by an element count read at run
+    time the kernel took 19 against 12.9 ms at 0.6B on the H200, likely its loads running an element at a time."""
     mask = offs < n if MASKED else None
     other = 0.0 if MASKED else None
     g = tl.load(grad + offs, mask=mask, other=other).to(tl.float32) * grad_scale
