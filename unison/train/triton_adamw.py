@@ -168,7 +168,6 @@ class MultiTensorStep:
                  params: list[torch.Tensor]):
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
-        self.total = sum(-(-n // 16) * 16 for n in self.numels)
         chunk = _BLOCK * _CHUNK_BLOCKS
         programs = [triton.cdiv(n, chunk) for n in self.numels]
         if not aligned(*masters, *exp_avgs, *exp_avg_sqs, *params):
@@ -178,6 +177,7 @@ class MultiTensorStep:
             rows.append([m.data_ptr(), a.data_ptr(), s.data_ptr(), p.data_ptr(), offset, n, first])
             self.offsets.append(offset)
             offset, first = offset + -(-n // 16) * 16, first + k  # each mask 16-byte aligned in the buffer
+        self.total = offset
         device = params[0].device
         self.table = torch.tensor(rows, dtype=torch.int64, device=device)
         self.owner = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32),
