@@ -90,6 +90,7 @@ def run_unison(model, prompts, new: int, args, attention: str = "auto") -> tuple
     # --warmup full: the whole workload on those prompts, so the run meets no kernel variant or graph the warm-up
     # did not (bench/results/h200/speed/host/7_timeline: a sampler compile and two captures in a 256-request run).
     vocab = model.config.vocab_size
+    # (bench/results/h200/speed/prefill: two captures inside a short warm-up's run, ~55 ms each)
     warm = new if args.warmup == "full" else 4
     engine.generate(prompts_for(vocab, len(prompts), len(prompts[0]), seed=1),
                     SamplingParams(max_new_tokens=warm, temperature=1.0, stop_token_ids=()))
@@ -244,8 +245,9 @@ def main():
                         "launch, unison.engine.gdc)")
     p.add_argument("--no-split", action="store_true",
                    help="cuBLAS's o_proj and down_proj in the decode graphs (fused_linear.SPLIT_ROWS = 0)")
-    p.add_argument("--warmup", default="short", choices=["short", "full"],
-                   help="short: 4 new tokens a request; full: the whole workload, on other prompts (both systems)")
+    p.add_argument("--warmup", default="full", choices=["short", "full"],
+                   help="full: the whole workload, on other prompts (both systems); short: 4 new tokens a request, "
+                        "which leaves the decode graphs of the run's batch sizes to be captured inside it")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
     if args.no_pdl:
@@ -296,7 +298,7 @@ def main():
                 json.dump({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                            "torch": torch.__version__, "commit": commit(), "ceilings": ceilings,
                            "config": {"block_size": args.block_size, "max_batch_tokens": args.max_batch_tokens,
-                                      "async_scheduling": not args.no_async,
+                                      "async_scheduling": not args.no_async, "warmup": args.warmup,
                                       "fused_projections": not args.no_fused_projections,
                                       "fused_layers": not args.no_fused_layers,
                                       "sampling": "T=1, logprobs, no stop tokens, random bf16 weights"},

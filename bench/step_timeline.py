@@ -30,6 +30,8 @@ def main():
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=256)
+    p.add_argument("--warmup", default="full", choices=["short", "full"],
+                   help="as bench/engine.py's: 4 new tokens a request, or the whole workload, on other prompts")
     p.add_argument("--freeze", action="store_true", help="gc.freeze() after the warm-up")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -40,7 +42,7 @@ def main():
                                         max_num_seqs=args.concurrency))
     # The warm-up on other prompts, as engine.py's: the run's own would leave 7/8 of each in the prefix cache.
     engine.generate(prompts_for(model.config.vocab_size, args.concurrency, args.prompt, seed=1),
-                    SamplingParams(max_new_tokens=4, stop_token_ids=()))
+                    SamplingParams(max_new_tokens=args.new if args.warmup == "full" else 4, stop_token_ids=()))
     sync(args.device)
     if args.freeze:
         gc.freeze()

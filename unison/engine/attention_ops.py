@@ -58,7 +58,14 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: to
     # Flash wants one head width for q, k and v: zero columns change no score and add nothing to the output.
     q, k, v = (_pad_last(t, width) for t in (q, k, v))
     window_size = (-1, 0) if window is None else (window - 1, 0)
-    if sinks is None:
+    if sinks is None and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        # No gradient wanted (the engine's prefill): flash's forward itself. torch's varlen_attn makes the same call
+        # behind a custom operator's dispatch, a log line and an rng-state allocation: host time an eager prefill
+        # step is short of (bench/results/h200/speed/prefill).
+        out = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, window_size == (-1, 0), False, scale=scale,
+            window_size_left=window_size[0], window_size_right=window_size[1])[0]
+    elif sinks is None:
         out = torch_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
                                 **VARLEN_GQA_KW)
     else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from .attention_ops import causal_mask, dense_attention, key_visible
@@ -150,9 +151,15 @@ class TorchPagedBackend:
 
 def context_slots(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
     """(length,) int64 pool slots of a sequence's first ``length`` positions."""
-    positions = torch.arange(length)
-    blocks = torch.tensor(block_table[: -(-length // block_size)], dtype=torch.int64)
-    return blocks.repeat_interleave(block_size)[:length] * block_size + positions % block_size
+    return torch.from_numpy(slots_of(block_table, 0, length, block_size))
+
+
+def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> np.ndarray:
+    """(end - start,) int64 pool slots of a sequence's positions ``start .. end - 1``."""
+    first, last = start // block_size, -(-end // block_size)
+    blocks = np.asarray(block_table[first:last], dtype=np.int64)
+    slots = (blocks[:, None] * block_size + np.arange(block_size, dtype=np.int64)).ravel()
+    return slots[start - first * block_size:end - first * block_size]
 
 
 def prefill_reference(prefills: list[tuple[int, int, torch.Tensor]], k_pool: torch.Tensor, v_pool: torch.Tensor,

@@ -25,7 +25,7 @@ from ..vision.inputs import Segment, language_inputs
 from ..vision.prompt import ImagePrompt
 from . import mla, state
 from .attention import NO_MASK
-from .backend import AttentionBackend, PagedBatch, StepLayout, TorchPagedBackend
+from .backend import AttentionBackend, PagedBatch, StepLayout, TorchPagedBackend, slots_of
 from .cache import BlockAllocator, KVPool, kv_widths
 from .lm_head import decoder_of, lm_head_of
 from .overlap import Overlap
@@ -444,34 +444,36 @@ class Engine:
         for chunk in chunks:
             req, start, end = chunk.request, chunk.start, chunk.start + chunk.length
             tokens += req.token_slice(start, end)
-            span = range(start, end)
-            positions += span
-            slots += [req.blocks[p // bs] * bs + p % bs for p in span]
+            positions.append(np.arange(start, end))
+            slots.append(slots_of(req.blocks, start, end, bs))
             query_start.append(query_start[-1] + chunk.length)
             context_len.append(end)
             if chunk.samples:
                 sample_at.append(query_start[-1] - 1)
-        dev = self.device
-        layout = StepLayout(query_start, context_len, [c.request.blocks for c in chunks],
-                            torch.tensor(slots, dtype=torch.int64, device=dev))
+        dev, n = self.device, len(tokens)
+        # The step's tokens, positions, pool slots and sampled rows in one host-to-device copy.
+        host = np.concatenate([np.asarray(tokens, dtype=np.int64), *positions, *slots,
+                               np.asarray(sample_at, dtype=np.int64)])
+        device = torch.from_numpy(host).to(dev, non_blocking=True)
+        ids, position_ids = device[:n].view(1, n), device[n:2 * n].view(1, n)
+        sample_rows = device[3 * n:]
+        layout = StepLayout(query_start, context_len, [c.request.blocks for c in chunks], device[2 * n:3 * n])
         states = None if self.states is None else state.StepStates.for_chunks(
             self.states, [c.request.state_slot for c in chunks], [c.start for c in chunks],
             [c.length for c in chunks], dev)
         batch = PagedBatch.for_layout(self.pool, self.backend, layout, states)
         with torch.inference_mode(), self._fused(), self.local_forward():
-            ids = torch.tensor([tokens], device=dev)
             if self.vision is not None and any(c.request.images is not None for c in chunks):
                 inputs = language_inputs(self.decoder, ids, [
                     Segment(query_start[i], c.start, c.length, c.request.images) for i, c in enumerate(chunks)],
                     self.vision.mrope)
             else:
-                inputs = {"input_ids": ids, "position_ids": torch.tensor([positions], device=dev)}
+                inputs = {"input_ids": ids, "position_ids": position_ids}
             hidden = self.decoder(**inputs, attention_mask=NO_MASK, paged=batch, use_cache=False,
                                   **mla.forward_kwargs(batch)).last_hidden_state[0]
             if states is not None:
                 state.check_visited(states)
-            rows = hidden.index_select(0, torch.tensor(sample_at, dtype=torch.int64, device=dev))
-            return self.lm_head(rows)
+            return self.lm_head(hidden.index_select(0, sample_rows))
 
     def _copy_states(self) -> None:
         """The state copies the scheduler asked for (hybrid models): a shared prompt's state kept, or handed on."""

@@ -128,10 +128,11 @@ def _split_forward(linear: torch.nn.Module):
     return forward
 
 
-def swiglu_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The SwiGLU MLPs of known classes in ``model`` whose forward is transformers' (checked from its source) and
-    whose activation is SiLU (the trainer's fused MLPs too: ``unison.train.fused``)."""
-    return [m for m in model.modules() if _swiglu_class(type(m))
+def swiglu_mlps(model: torch.nn.Module, modules: list[torch.nn.Module] | None = None) -> list[torch.nn.Module]:
+    """The SwiGLU MLPs of known classes in ``model`` (or in ``modules``, its modules listed once) whose forward is
+    transformers' (checked from its source) and whose activation is SiLU (the trainer's fused MLPs too:
+    ``unison.train.fused``)."""
+    return [m for m in (model.modules() if modules is None else modules) if _swiglu_class(type(m))
             and type(getattr(m, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")]
 
 
@@ -155,13 +156,14 @@ def _gated_forward(mlp: torch.nn.Module, original):
 
 
 @contextmanager
-def fused_projections(model: torch.nn.Module):
+def fused_projections(model: torch.nn.Module, modules: list[torch.nn.Module] | None = None):
     """Within the block, the q/k/v projections of every known attention class in ``model`` run as one kernel, and
     the gate/up projections and SwiGLU of every known MLP as another, where they are plain ``nn.Linear`` layers.
-    Yields the number of modules switched."""
+    ``modules``: ``model``'s modules, listed once by the caller. Yields the number of modules switched."""
+    modules = list(model.modules()) if modules is None else modules
     with ExitStack() as stack:
         switched = 0
-        for module in model.modules():
+        for module in modules:
             if _qkv_class(type(module)) and _plain([module.q_proj, module.k_proj, module.v_proj]):
                 qkv = _QKV(module)
                 for i, proj in enumerate(qkv.linears):
@@ -169,7 +171,7 @@ def fused_projections(model: torch.nn.Module):
                 switched += 1
                 if _plain([module.o_proj]):
                     swap_forward(stack, module.o_proj, _split_forward(module.o_proj))
-        for mlp in swiglu_mlps(model):
+        for mlp in swiglu_mlps(model, modules):
             if _plain([mlp.gate_proj, mlp.up_proj]) and mlp.gate_proj.bias is None:
                 swap_forward(stack, mlp, _gated_forward(mlp, mlp.forward))
                 switched += 1
@@ -179,13 +181,16 @@ def fused_projections(model: torch.nn.Module):
 
 
 def swap_forward(stack: ExitStack, module: torch.nn.Module, forward) -> None:
-    """``module.forward = forward`` until ``stack`` closes, then the module's own forward again."""
-    own = module.__dict__.get("forward")
-    module.forward = forward
+    """``module.forward = forward`` until ``stack`` closes, then the module's own forward again. Written to the
+    instance's ``__dict__`` directly (where ``nn.Module.__setattr__`` puts a function too): an engine's eager step
+    swaps ~200 forwards in and out, and ``__setattr__``'s checks were a few percent of its host time."""
+    attrs = module.__dict__
+    own = attrs.get("forward")
+    attrs["forward"] = forward
 
     def restore():
         if own is None:
-            del module.forward
+            attrs.pop("forward", None)
         else:
-            module.forward = own
+            attrs["forward"] = own
     stack.callback(restore)

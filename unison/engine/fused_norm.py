@@ -109,24 +109,25 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def fused_norms(model: torch.nn.Module, norm=None):
-    """Within the block, every RMSNorm of a known class in ``model`` runs as one kernel: ``norm(x, weight, eps)``,
-    this module's ``rms_norm`` unless given (the trainer passes its differentiable one,
-    ``unison.train.fused.rms_norm``)."""
+def fused_norms(model: torch.nn.Module, norm=None, modules: list[torch.nn.Module] | None = None):
+    """Within the block, every RMSNorm of a known class in ``model`` (``modules``: its modules, listed once by the
+    caller) runs as one kernel: ``norm(x, weight, eps)``, this module's ``rms_norm`` unless given (the trainer
+    passes its differentiable one, ``unison.train.fused.rms_norm``)."""
     norm = norm or rms_norm
     patched = []
-    for module in model.modules():
+    for module in model.modules() if modules is None else modules:
         if fusable(module):
-            patched.append((module, module.__dict__.get("forward")))
-            module.forward = _fused_forward(module, norm)
+            attrs = module.__dict__  # (as fused_linear.swap_forward: nn.Module.__setattr__'s checks cost)
+            patched.append((attrs, attrs.get("forward")))
+            attrs["forward"] = _fused_forward(module, norm)
     try:
         yield len(patched)
     finally:
-        for module, own in patched:
+        for attrs, own in patched:
             if own is None:
-                del module.forward  # the class's forward again
+                attrs.pop("forward", None)  # the class's forward again
             else:
-                module.forward = own
+                attrs["forward"] = own
 
 
 def _fused_forward(module: torch.nn.Module, norm):

@@ -95,14 +95,14 @@ def _covered(q, k, cos, sin, unsqueeze_dim) -> bool:
 
 
 @contextmanager
-def fused_rope(model: torch.nn.Module, apply=None):
+def fused_rope(model: torch.nn.Module, apply=None, modules: list[torch.nn.Module] | None = None):
     """Within the block, the attention of every known class in ``model`` applies RoPE with one kernel,
     ``apply(q, k, cos, sin)``: this module's ``rope`` (looked up on entry) unless given (the trainer passes its
     differentiable one, ``unison.train.fused.rope``). Yields the number of modeling modules switched."""
     apply = apply or rope
-    modules = {sys.modules[type(m).__module__] for m in model.modules()
-               if type(m).__name__ in ATTENTION_CLASSES}
-    originals = [(mod, mod.apply_rotary_pos_emb) for mod in modules if hasattr(mod, "apply_rotary_pos_emb")]
+    modeling = {sys.modules[type(m).__module__] for m in (model.modules() if modules is None else modules)
+                if type(m).__name__ in ATTENTION_CLASSES}
+    originals = [(mod, mod.apply_rotary_pos_emb) for mod in modeling if hasattr(mod, "apply_rotary_pos_emb")]
     for mod, original in originals:
         mod.apply_rotary_pos_emb = _fused(original, apply)
     try:

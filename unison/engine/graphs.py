@@ -48,7 +48,9 @@ def fused_kernels(decoder: torch.nn.Module):
     """The engine's forwards run inside this: every RMSNorm one kernel, RoPE of q and k one, (on the GPU, up to
     ``fused_linear``'s row limits) the q/k/v and gate/up projections one each, and (on the GPU) each residual add
     in its norm's kernel, q/k norms, RoPE and the K/V write in one (``fused_layer``)."""
-    with fused_norms(decoder), fused_rope(decoder), fused_projections(decoder), fused_layers(decoder):
+    modules = list(decoder.modules())  # one walk for the four (an eager step enters this block each time)
+    with (fused_norms(decoder, modules=modules), fused_rope(decoder, modules=modules),
+          fused_projections(decoder, modules), fused_layers(decoder)):
         yield
 
 

@@ -62,6 +62,7 @@ class TritonState:
     context_lens: torch.Tensor | None  # (Sd,) int32
     splits: int
     chunk_rows: torch.Tensor | None = None  # (Nc,) token indices of the multi-token chunks
+    chunks_only: bool = False  # every token is a chunk's (chunk_rows is then 0..N-1)
     chunk_slots: torch.Tensor | None = None  # (Lc,) their contexts' pool slots, concatenated
     cu_q: torch.Tensor | None = None  # (C+1,) int32
     cu_k: torch.Tensor | None = None  # (C+1,) int32
@@ -121,12 +122,19 @@ class TritonPagedBackend:
                 state.prefills = [(a, b, slots.to(dev)) for a, b, slots in spans]
                 return state
             state.spans = spans
-            state.chunk_rows = torch.cat([torch.arange(a, b) for a, b, _ in spans]).to(dev)
-            state.chunk_slots = torch.cat([slots for _, _, slots in spans]).to(dev)
             q_lens = [b - a for a, b, _ in spans]
             k_lens = [ctx[s] for s in chunks]
-            state.cu_q = torch.tensor(np.cumsum([0] + q_lens), dtype=torch.int32, device=dev)
-            state.cu_k = torch.tensor(np.cumsum([0] + k_lens), dtype=torch.int32, device=dev)
+            state.chunks_only = not decode
+            # One host-to-device copy: the chunks' context slots, their query rows, the cumulative query and key
+            # lengths (a copy each, and a tensor built per chunk, were a prefill step's host time).
+            host = np.concatenate([slots.numpy() for _, _, slots in spans] + [np.arange(a, b) for a, b, _ in spans]
+                                  + [np.cumsum([0] + q_lens), np.cumsum([0] + k_lens)])
+            device = torch.from_numpy(host).to(dev, non_blocking=True)
+            n_slots, n_rows, c = sum(k_lens), sum(q_lens), len(chunks) + 1
+            state.chunk_slots = device[:n_slots]
+            state.chunk_rows = device[n_slots:n_slots + n_rows]
+            cu = device[n_slots + n_rows:].to(torch.int32)
+            state.cu_q, state.cu_k = cu[:c], cu[c:]
             state.max_q, state.max_k = max(q_lens), max(k_lens)
         return state
 
@@ -136,6 +144,11 @@ class TritonPagedBackend:
         layer = dict(sinks=sinks, softcap=softcap)
         if state.decode_rows is None and state.chunk_rows is None and not state.prefills:
             return self.decode(state, k_pool, v_pool, q, scale, window, **layer)
+        if state.chunks_only and varlen_supported(q, k_pool, v_pool, softcap):
+            # A prefill step: its queries are every token, in order, so no gather of them and no scatter back.
+            slots = state.chunk_slots
+            return varlen_attention(q, k_pool.index_select(0, slots), v_pool.index_select(0, slots), state.cu_q,
+                                    state.cu_k, state.max_q, state.max_k, scale, window, sinks)
         out = q.new_empty(*q.shape[:-1], v_pool.shape[-1])
         if state.block_tables is not None:
             rows = state.decode_rows
