@@ -86,6 +86,9 @@ def main():
                "full_step_ms_median": sorted(steady)[len(steady) // 2]}
     if args.timing_only:
         print(json.dumps(summary))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(summary, f, indent=1)
         return
     prompts = prompts_for(vocab, args.concurrency, args.prompt, seed=99)
     for prompt in prompts:

@@ -65,3 +65,22 @@ def test_allocator_refcounts_and_prefix_cache():
     alloc.clear_cache()
     assert alloc.lookup(h) == ([], False)
     assert prefix_hashes([1, 2, 3, 4, 5], 2, 2) != prefix_hashes([1, 2, 3, 5, 5], 2, 2)
+
+
+def test_pool_slots_of_a_span_match_each_positions_block():
+    """``slots_of`` (the engine's prefill slots, built with numpy) is block * size + offset for every position of
+    any span, and ``context_slots`` is its span from position 0."""
+    import random
+
+    from unison.engine.backend import context_slots, slots_of
+
+    rng = random.Random(0)
+    for block_size in (1, 4, 16):
+        table = rng.sample(range(1000), 40)
+        for _ in range(50):
+            start = rng.randrange(0, 40 * block_size)
+            end = rng.randrange(start, 40 * block_size + 1)
+            want = [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+            assert slots_of(table, start, end, block_size).tolist() == want
+        length = rng.randrange(1, 40 * block_size + 1)
+        assert context_slots(table, length, block_size).tolist() == slots_of(table, 0, length, block_size).tolist()
