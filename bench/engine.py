@@ -88,9 +88,9 @@ def run_unison(model, prompts, new: int, args, attention: str = "auto") -> tuple
     # prompts the run prefilled an eighth of them, a step no warm-up had compiled: 0.04-0.39 s, run to run, of a
     # 1.1-1.5 s run at 256 requests, bench/results/h200/speed/tma/timeline_*.json.)
     # --warmup full: the whole workload on those prompts, so the run meets no kernel variant or graph the warm-up
-    # did not (bench/results/h200/speed/host/7_timeline: a sampler compile and two captures in a 256-request run).
+    # did not (bench/results/h200/speed/host/7_timeline: a sampler compile and two captures in a 256-request run;
+    # bench/results/h200/speed/prefill/2_warmup: the two captures, ~55 ms each, measured against the full warm-up).
     vocab = model.config.vocab_size
-    # (bench/results/h200/speed/prefill: two captures inside a short warm-up's run, ~55 ms each)
     warm = new if args.warmup == "full" else 4
     engine.generate(prompts_for(vocab, len(prompts), len(prompts[0]), seed=1),
                     SamplingParams(max_new_tokens=warm, temperature=1.0, stop_token_ids=()))

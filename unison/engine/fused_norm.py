@@ -15,13 +15,14 @@ the modules unchanged. Besides the named classes, any norm whose forward is Llam
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 import triton
 import triton.language as tl
 
 from . import gdc
+from .fused_linear import swap_forward
 from .source import body
 
 # Qwen3-MoE's norm is Qwen3's, source for source (transformers 5.24); its decode spent ~0.85 ms per step of 11.6 in
@@ -114,20 +115,13 @@ def fused_norms(model: torch.nn.Module, norm=None, modules: list[torch.nn.Module
     caller) runs as one kernel: ``norm(x, weight, eps)``, this module's ``rms_norm`` unless given (the trainer
     passes its differentiable one, ``unison.train.fused.rms_norm``)."""
     norm = norm or rms_norm
-    patched = []
-    for module in model.modules() if modules is None else modules:
-        if fusable(module):
-            attrs = module.__dict__  # (as fused_linear.swap_forward: nn.Module.__setattr__'s checks cost)
-            patched.append((attrs, attrs.get("forward")))
-            attrs["forward"] = _fused_forward(module, norm)
-    try:
-        yield len(patched)
-    finally:
-        for attrs, own in patched:
-            if own is None:
-                attrs.pop("forward", None)  # the class's forward again
-            else:
-                attrs["forward"] = own
+    with ExitStack() as stack:
+        switched = 0
+        for module in model.modules() if modules is None else modules:
+            if fusable(module):
+                swap_forward(stack, module, _fused_forward(module, norm))
+                switched += 1
+        yield switched
 
 
 def _fused_forward(module: torch.nn.Module, norm):
