@@ -10,11 +10,11 @@ import importlib
 import pytest
 import torch
 from conftest import count_calls, max_logprob_diff, random_prompts, tiny_llama, tiny_qwen3
-from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 pytest.importorskip("triton")
 
-from unison.engine import Engine, EngineConfig, SamplingParams, fused_layer  # noqa: E402
+from unison.engine import Engine, EngineConfig, SamplingParams, fused_layer, fused_linear  # noqa: E402
 from unison.engine.fused_layer import attention_form, fused_layers, llama_layer, qkv_rope_write  # noqa: E402
 from unison.engine.fused_norm import add_rms_norm, llama_norm  # noqa: E402
 from unison.engine.graphs import fused_kernels  # noqa: E402
@@ -135,6 +135,34 @@ def test_engine_decodes_through_the_fused_layers(family, on_cpu, monkeypatch):
     assert max_logprob_diff(model, done) < 1e-4
     for module in (model.model.layers[0], model.model.layers[0].self_attn, model.model.norm):
         assert "forward" not in module.__dict__
+
+
+def test_output_projections_leave_their_shares_to_the_norm_after_them(on_cpu, monkeypatch):
+    """o_proj and down_proj with K wide enough to split (256 and 512): at decode's rows each one's split kernel
+    leaves its shares unsummed for the residual add + norm after it (the last layer's down_proj for the final
+    norm's); the engine's tokens and logprobs are bit for bit those of the shares summed in the split kernel, and
+    teacher-forced ones."""
+    monkeypatch.setattr(fused_linear, "DEVICES", {"cpu", "cuda"})
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                      eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    model = Qwen3ForCausalLM._from_config(cfg, attn_implementation="unison", dtype=torch.float32).eval()
+    calls = count_calls(monkeypatch, fused_linear, ["split_parts", "split_linear"])
+
+    def generate():
+        engine = Engine(model, EngineConfig(num_blocks=64, block_size=4, seed=0, attention="triton", max_num_seqs=4))
+        return engine.generate(random_prompts([5, 9]), SamplingParams(max_new_tokens=5, stop_token_ids=()))
+
+    deferred = generate()
+    deferrals = calls["split_parts"]
+    assert deferrals > 0 and deferrals % (2 * cfg.num_hidden_layers) == 0 and calls["split_linear"] == 0
+    assert max_logprob_diff(model, deferred) < 1e-4
+    monkeypatch.setattr(fused_layer, "partials", lambda module, *a, **kw: module(*a, **kw))
+    summed = generate()
+    assert calls == {"split_parts": deferrals, "split_linear": deferrals}
+    for a, b in zip(deferred, summed, strict=True):
+        assert a.token_ids == b.token_ids and torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
 
 
 def test_a_tensor_the_layer_did_not_return_gets_its_own_norm(on_cpu):

@@ -26,6 +26,33 @@ def test_add_rms_norm_rounds_as_the_add_then_the_norm(width):
     assert torch.equal(normed, rms_norm(residual + x, w, 1e-6))
 
 
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_output_projection_shares_summed_in_the_norm_kernel_have_split_linears_bits(rows):
+    """bf16 o_proj and down_proj of the 0.6B shape (biased or not) in 4 shares: the shares left unsummed and summed
+    by the residual add + norm kernel give the bits of ``split_linear``'s output added there, eagerly and in a CUDA
+    graph (with programmatic launches on Hopper) replayed ten times."""
+    from unison.engine import triton_linear
+    g = torch.Generator("cuda").manual_seed(rows)
+    for n, k, bias in ((1024, 2048, False), (1024, 3072, True)):
+        x = torch.randn(rows, k, generator=g, device="cuda").bfloat16()
+        w = (torch.randn(n, k, generator=g, device="cuda") / 32).bfloat16()
+        b = torch.randn(n, generator=g, device="cuda").bfloat16() if bias else None
+        residual = torch.randn(rows, n, generator=g, device="cuda").bfloat16()
+        norm_w = (torch.rand(n, generator=g, device="cuda") + 0.5).bfloat16()
+        expected = add_rms_norm(triton_linear.split_linear(x, w, b, 4), residual, norm_w, 1e-6)
+        args = (residual, norm_w, 1e-6)
+        got = add_rms_norm(triton_linear.split_parts(x, w, b, 4), *args)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = add_rms_norm(triton_linear.split_parts(x, w, b, 4), *args)
+        for _ in range(10):
+            replayed[0].zero_()
+            replayed[1].zero_()
+            graph.replay()
+            assert torch.equal(replayed[0], expected[0]) and torch.equal(replayed[1], expected[1])
+
+
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(16, 8, 128), (32, 4, 128), (8, 1, 64)])
 def test_qkv_rope_write_at_the_bf16_floor(qk_norm, heads, kv_heads, dim):

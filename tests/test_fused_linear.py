@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 
 from unison.engine import Engine, EngineConfig, SamplingParams, fused_linear, triton_linear  # noqa: E402
 from unison.engine.fused_linear import fused_projections  # noqa: E402
+from unison.engine.fused_norm import add_rms_norm  # noqa: E402
 from unison.engine.triton_linear import gated, linear, project  # noqa: E402
 
 
@@ -56,6 +57,28 @@ def test_split_linear_sums_the_shares_of_k(rows, splits, loads):
     assert not triton_linear._counters[x.device].any()
     with pytest.raises(ValueError, match="whole"):
         triton_linear.split_linear(x[:, :200], w[:, :200], None, splits)
+
+
+@pytest.mark.parametrize("rows", [3, 20])
+@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_split_parts_summed_in_the_norm_kernel_are_split_linears_bits(rows, splits, bias):
+    """The shares left unsummed (``split_parts``) and summed by the residual add + norm kernel: the sum and the
+    normalised sum bit for bit those of ``split_linear``'s output added there; a partial last column tile; partials
+    of another shape refused."""
+    torch.manual_seed(rows + splits)
+    x, w, b = torch.randn(rows, 512), torch.randn(80, 512), torch.randn(80)
+    residual, norm_w = torch.randn(rows, 80), torch.randn(80)
+    summed = triton_linear.split_linear(x, w, b if bias else None, splits)
+    parts = triton_linear.split_parts(x, w, b if bias else None, splits)
+    assert parts.shape == (rows, 80) and parts.parts.shape[0] == splits
+    torch.testing.assert_close(parts.parts[:, :rows].sum(0), F.linear(x, w), atol=1e-4, rtol=1e-4)  # no bias yet
+    expected = add_rms_norm(summed, residual, norm_w, 1e-6)
+    got = add_rms_norm(parts, residual, norm_w, 1e-6)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    torch.testing.assert_close(got[0], residual + F.linear(x, w, b if bias else None), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="partials"):
+        add_rms_norm(parts, residual[:-1], norm_w, 1e-6)
 
 
 def test_split_for_fills_one_wave_with_whole_k_steps():

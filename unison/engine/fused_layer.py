@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from . import gdc
-from .fused_linear import swap_forward
+from .fused_linear import partials, swap_forward
 from .fused_norm import add_rms_norm, fusable
 from .fused_rope import ATTENTION_CLASSES
 from .source import body
@@ -196,11 +196,11 @@ def _layer_forward(layer: torch.nn.Module, chain: _Chain, next_norm: torch.nn.Mo
         normed = chain.take(hidden_states, layer.input_layernorm)
         if normed is None:
             normed = layer.input_layernorm(hidden_states)
-        attended, _ = layer.self_attn(hidden_states=normed, **kwargs)
+        attended, _ = partials(layer.self_attn, hidden_states=normed, **kwargs)
         residual, normed = add_rms_norm(attended, hidden_states, post.weight, post.variance_epsilon)
-        out = layer.mlp(normed)
         if next_norm is None:
-            return residual + out
+            return residual + layer.mlp(normed)
+        out = partials(layer.mlp, normed)
         total, normed = add_rms_norm(out, residual, next_norm.weight, next_norm.variance_epsilon)
         chain.put(total, next_norm, normed)
         return total
@@ -221,7 +221,7 @@ def _attention_forward(attn: torch.nn.Module, qk_norm: bool, window: str | None)
     sliding = attn.sliding_window if window == "layer" else \
         getattr(attn.config, "sliding_window", None) if window == "config" else None
 
-    def forward(hidden_states, *args, **kwargs):
+    def forward(hidden_states, *args, output=None, **kwargs):
         paged = kwargs.get("paged")
         cos, sin = kwargs.get("position_embeddings") or (None, None)
         layer = attn.layer_idx
@@ -235,8 +235,9 @@ def _attention_forward(attn: torch.nn.Module, qk_norm: bool, window: str | None)
         k_pool, v_pool = paged.pools(layer, k, v)
         q = qkv_rope_write(q, k, v, cos[0], sin[0], k_pool, v_pool, paged.slot_mapping,
                            attn.q_norm if qk_norm else None, attn.k_norm if qk_norm else None)
-        out = paged.attend_written(layer, q, attn.scaling, sliding)
-        return attn.o_proj(out.reshape(1, n, -1)), None
+        out = paged.attend_written(layer, q, attn.scaling, sliding).reshape(1, n, -1)
+        return (output(attn.o_proj, out) if output is not None else attn.o_proj(out)), None
+    forward.partials = functools.partial(forward, output=partials)
     return forward
 
 

@@ -10,8 +10,11 @@ another computes a tile of gate and of up for the same columns and writes silu(g
 
 At up to 64 rows o_proj and down_proj (0.6B: 1024-wide outputs, 32 column tiles, a quarter of an H200's
 multiprocessors) run as ``split_linear``: K in shares side by side, each tile's last program summing the shares
-(``SPLIT_ROWS``, ``split_for``). Each kernel asks L2 for its weight rows before it waits for the kernel in front of
-it (``unison.engine.gdc``).
+(``SPLIT_ROWS``, ``split_for``). Inside the engine's fused decoder layers (``unison.engine.fused_layer``) they leave
+the shares unsummed instead (``partials``) and the residual add + norm kernel after them sums them: the split kernel
+then ends without its fence, counter and last program's sum (0.6B at 64 requests and ~345 keys: 1.74 -> 1.62 ms a
+decode step on an H200, bench/results/h200/speed/deferred). Each kernel asks L2 for its weight rows before it waits
+for the kernel in front of it (``unison.engine.gdc``).
 
 ``fused_projections(model)`` swaps them in for the duration of a ``with`` block (the engine captures its decode
 graphs inside it) in the attention and MLP classes whose forward is transformers' (checked from its source), for
@@ -27,7 +30,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from .triton_linear import gated, multiprocessors, project, split_for, split_linear, tiles
+from .triton_linear import Partials, gated, multiprocessors, project, split_for, split_linear, split_parts, tiles
 
 MLP_CLASSES = {"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"}
 _MLP_SOURCE = "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"  # checked at switch time
@@ -115,17 +118,39 @@ with cuBLAS's, 1.45-1.46 with these (bench/results/h200/speed/pdl/)."""
 def _split_forward(linear: torch.nn.Module):
     plain = torch.nn.Linear.forward.__get__(linear)
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
+    def shares(x: torch.Tensor) -> tuple[torch.Tensor, int] | None:
         rows = _rows(x, linear.weight, linear.weight.shape[0])
         if rows is None or rows.shape[0] > SPLIT_ROWS:
-            return plain(x)
+            return None
         n, k = linear.weight.shape
         sms = multiprocessors(x.device) if x.is_cuda else INTERPRETED_MULTIPROCESSORS
         splits = split_for(rows.shape[0], n, k, x.element_size(), sms)
-        if splits < 2:
+        return (rows, splits) if splits >= 2 else None
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        planned = shares(x)
+        if planned is None:
             return plain(x)
-        return split_linear(rows, linear.weight, linear.bias, splits).view(*x.shape[:-1], n)
+        rows, splits = planned
+        return split_linear(rows, linear.weight, linear.bias, splits).view(*x.shape[:-1], -1)
+
+    def unsummed(x: torch.Tensor) -> Partials | torch.Tensor:
+        planned = shares(x)
+        if planned is None:
+            return plain(x)
+        rows, splits = planned
+        return split_parts(rows, linear.weight, linear.bias, splits)
+    forward.partials = unsummed
     return forward
+
+
+def partials(module: torch.nn.Module, *args, **kwargs):
+    """``module(*args, **kwargs)``, or where its swapped-in forward has a ``partials`` variant, that: o_proj's and
+    down_proj's at decode's rows (and the fused attention's and MLP's around them) leave their K shares unsummed, as
+    ``Partials``, for a kernel that sums them (``fused_norm.add_rms_norm``): the split kernel then ends without a
+    last program's sum. Otherwise (a plain tensor) as the module computes it."""
+    deferred = getattr(module.__dict__.get("forward"), "partials", None)
+    return (deferred or module)(*args, **kwargs)
 
 
 def swiglu_mlps(model: torch.nn.Module, modules: list[torch.nn.Module] | None = None) -> list[torch.nn.Module]:
@@ -147,11 +172,13 @@ def _qkv_class(cls: type) -> bool:
 
 
 def _gated_forward(mlp: torch.nn.Module, original):
-    def forward(x: torch.Tensor) -> torch.Tensor:
+    def forward(x: torch.Tensor, down=None) -> torch.Tensor | Partials:
         rows = _rows(x, mlp.gate_proj.weight, mlp.gate_proj.weight.shape[0])
         if rows is None:
             return original(x)
-        return mlp.down_proj(gated(rows, mlp.gate_proj.weight, mlp.up_proj.weight).view(*x.shape[:-1], -1))
+        hidden = gated(rows, mlp.gate_proj.weight, mlp.up_proj.weight).view(*x.shape[:-1], -1)
+        return down(mlp.down_proj, hidden) if down is not None else mlp.down_proj(hidden)
+    forward.partials = functools.partial(forward, down=partials)
     return forward
 
 

@@ -24,6 +24,7 @@ import triton.language as tl
 from . import gdc
 from .fused_linear import swap_forward
 from .source import body
+from .triton_linear import Partials
 
 # Qwen3-MoE's norm is Qwen3's, source for source (transformers 5.24); its decode spent ~0.85 ms per step of 11.6 in
 # unfused norms and RoPE on the H200 (bench/results/h200/moe_decode).
@@ -46,22 +47,32 @@ def fusable(module: torch.nn.Module) -> bool:
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _rms_norm_kernel(X, W, Y, R, S, n_rows, stride_x, stride_y, stride_r, stride_s, eps, N: tl.constexpr,
-                     BLOCK: tl.constexpr, ROWS: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
-    """Rows [pid * ROWS, ...) of Y = norm(X) (with ``RESIDUAL``: S = X + R rounded to X's dtype as PyTorch's add
-    rounds, then Y = norm(S))."""
+def _rms_norm_kernel(X, W, Y, R, S, B, n_rows, stride_x, stride_y, stride_r, stride_s, stride_p, eps,
+                     N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, RESIDUAL: tl.constexpr,
+                     PDL: tl.constexpr, SPLITS: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False):
+    """Rows [pid * ROWS, ...) of Y = norm(X) (with ``RESIDUAL``: S = X + R rounded to R's dtype as PyTorch's add
+    rounds, then Y = norm(S)). With SPLITS > 0, X is a projection's fp32 partials (``triton_linear.Partials``, share
+    s at X + s * stride_p): summed in order, plus the bias B, rounded to R's dtype, as ``split_linear`` would."""
     gdc.wait(PDL)
     row = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
     mask = (cols < N) & (row < n_rows)
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if SPLITS > 0:
+        x = tl.zeros([ROWS, BLOCK], tl.float32)
+        for s in tl.static_range(SPLITS):
+            x += tl.load(X + s * stride_p + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_BIAS:
+            x += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)
+        x = x.to(R.dtype.element_ty).to(tl.float32)
+    else:
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if RESIDUAL:
         r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        x = (x + r).to(X.dtype.element_ty)
+        x = (x + r).to(R.dtype.element_ty)
         tl.store(S + row * stride_s + cols, x, mask=mask)
         x = x.to(tl.float32)
     variance = tl.sum(x * x, 1, keep_dims=True) / N
-    normed = (x * tl.rsqrt(variance + eps)).to(X.dtype.element_ty)
+    normed = (x * tl.rsqrt(variance + eps)).to(R.dtype.element_ty if SPLITS > 0 else X.dtype.element_ty)
     w = tl.load(W + cols, mask=cols < N, other=0.0)
     out = w.to(tl.float32) * normed.to(tl.float32)
     tl.store(Y + row * stride_y + cols, out.to(Y.dtype.element_ty), mask=mask)
@@ -82,26 +93,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     per = rows_per_program(n)
     _rms_norm_kernel[(triton.cdiv(rows.shape[0], per),)](
-        rows, weight, out, rows, rows, rows.shape[0], rows.stride(0), out.stride(0), 0, 0, eps, N=n,
+        rows, weight, out, rows, rows, rows, rows.shape[0], rows.stride(0), out.stride(0), 0, 0, 0, eps, N=n,
         BLOCK=triton.next_power_of_2(n), ROWS=per, RESIDUAL=False, num_warps=4 if n <= 2048 else 8,
         **gdc.launch(x))
     return out.view(*x.shape[:-1], n)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+def add_rms_norm(x: torch.Tensor | Partials, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, rms_norm(s, weight, eps)) with s = x + residual in x's dtype (``residual`` of x's shape and dtype): the
-    decoder layer's residual add and the norm after it, one kernel."""
+    decoder layer's residual add and the norm after it, one kernel. ``x`` may be a projection's unsummed shares
+    (``triton_linear.Partials``, rows as ``residual``'s): summed here, with its bias, to the same bits."""
     n = x.shape[-1]
-    rows, res = _rows(x), _rows(residual)
-    total = torch.empty_like(rows)
-    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    res = _rows(residual)
+    total = torch.empty_like(res)
+    out = torch.empty(res.shape, dtype=torch.promote_types(weight.dtype, res.dtype), device=res.device)
     per = rows_per_program(n)
-    _rms_norm_kernel[(triton.cdiv(rows.shape[0], per),)](
-        rows, weight, out, res, total, rows.shape[0], rows.stride(0), out.stride(0), res.stride(0), total.stride(0),
-        eps, N=n, BLOCK=triton.next_power_of_2(n), ROWS=per, RESIDUAL=True, num_warps=4 if n <= 2048 else 8,
-        **gdc.launch(x))
-    return total.view(x.shape), out.view(*x.shape[:-1], n)
+    if isinstance(x, Partials):
+        if x.shape != res.shape or x.dtype != res.dtype:
+            raise ValueError(f"add_rms_norm: partials of {x.shape} {x.dtype}, residual {tuple(res.shape)} {res.dtype}")
+        rows, splits, bias = x.parts, x.parts.shape[0], x.bias
+        strides = rows.stride(1), rows.stride(0)
+    else:
+        rows, splits, bias = _rows(x), 0, None
+        strides = rows.stride(0), 0
+    _rms_norm_kernel[(triton.cdiv(res.shape[0], per),)](
+        rows, weight, out, res, total, res if bias is None else bias, res.shape[0], strides[0], out.stride(0),
+        res.stride(0), total.stride(0), strides[1], eps, N=n, BLOCK=triton.next_power_of_2(n), ROWS=per,
+        RESIDUAL=True, num_warps=4 if n <= 2048 else 8, SPLITS=splits, HAS_BIAS=bias is not None,
+        **gdc.launch(residual))
+    return total.view(residual.shape), out.view(*residual.shape[:-1], n)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -125,10 +126,11 @@ def _gated_kernel(X, x_desc, G, U, Y, M, K, N, stride_x, piece_bytes, BLOCK_M: t
 def _split_kernel(X, x_desc, W, B, Y, Part, Count, M, K, N, stride_x, piece_bytes, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
                   PRECISION: tl.constexpr, X_TMA: tl.constexpr, STAGES: tl.constexpr, PARTS: tl.constexpr,
-                  PDL: tl.constexpr):
+                  PDL: tl.constexpr, REDUCE: tl.constexpr = True):
     """Program (tile, split): output tile ``tile`` over split ``split``'s share of K (K / SPLITS, whole K steps),
-    its fp32 partial to ``Part``; the tile's last program to finish (a counter per tile, put back to 0 by that
-    program) sums the partials in the order of the splits, so the result does not depend on which finished last."""
+    its fp32 partial to ``Part``; with ``REDUCE`` the tile's last program to finish (a counter per tile, put back to
+    0 by that program) sums the partials in the order of the splits, so the result does not depend on which
+    finished last. Without, the partials are the output (``split_parts``: the next kernel sums them)."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     k_per = K // SPLITS
@@ -145,6 +147,8 @@ def _split_kernel(X, x_desc, W, B, Y, Part, Count, M, K, N, stride_x, piece_byte
     inside = (rows < M)[:, None] & (cols < N)[None, :]
     at = rows[:, None] * N + cols[None, :]
     tl.store(Part + split * BLOCK_M * N + at, acc, mask=inside)
+    if not REDUCE:
+        return
     # Every thread's partial reaches the device before one thread counts the program as done.
     _fence()
     tl.debug_barrier()
@@ -293,6 +297,34 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     the GPU: 0.6B's o_proj and down_proj are 32 column tiles), summed in the kernel by each tile's last program.
     K must be a whole number of K steps per share (``split_for``). Launches on one device must not overlap (the
     tiles' counters are the device's): the engine runs its kernels on one stream."""
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    _launch_split(x, weight, bias, splits, config, loads, out)
+    return out
+
+
+class Partials(NamedTuple):
+    """x @ weight.T (+ bias) not yet summed over K's shares: ``parts[s, :rows]`` is share s's fp32 product. The
+    kernel that takes it (``fused_norm.add_rms_norm``) sums the shares in order, adds the bias and rounds to
+    ``dtype`` as ``split_linear``'s last program would, so the result has the same bits."""
+    parts: torch.Tensor  # (splits, BLOCK_M, N) fp32
+    bias: torch.Tensor | None
+    rows: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.parts.shape[2]
+
+
+def split_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, splits: int,
+                config: tuple[int, int, int, int, int] | None = None, loads: str | None = None) -> Partials:
+    """``split_linear`` without its reduction: the kernel ends when each program has stored its share's product (no
+    fence, counter or last program's sum at the end of the launch); the kernel after it sums them."""
+    return Partials(_launch_split(x, weight, bias, splits, config, loads, None), bias, x.shape[0], x.dtype)
+
+
+def _launch_split(x, weight, bias, splits, config, loads, out: torch.Tensor | None) -> torch.Tensor:
+    """Launch ``_split_kernel``: reducing into ``out``, or (None) leaving the shares' partials; returns those."""
     m, k = x.shape
     n = weight.shape[0]
     loads = _check_loads(loads or loads_for(x, [weight], n * splits))
@@ -300,16 +332,17 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     columns = triton.cdiv(n, block_n)
     if k % (splits * block_k) or columns > COUNTERS:
         raise ValueError(f"K={k} in {splits} shares of whole {block_k}-wide steps, {columns} column tiles")
-    out = x.new_empty(m, n)
-    part = torch.empty(splits * block_m * n, dtype=torch.float32, device=x.device)
+    part = torch.empty(splits, block_m, n, dtype=torch.float32, device=x.device)
     launch = gdc.launch(x)
     parts, piece = _prefetch_parts([weight], block_n, warps, splits) if launch["PDL"] else (0, 0)
+    reduce = out is not None
     _split_kernel[(columns, splits)](
-        x, _x_descriptor(x, block_m, block_k, loads), weight, weight if bias is None else bias, out, part,
-        _tile_counters(x.device), m, k, n, x.stride(0), piece, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, PRECISION=_precision(x), X_TMA=loads == "tma",
-        STAGES=stages, PARTS=parts, num_warps=warps, **launch)
-    return out
+        x, _x_descriptor(x, block_m, block_k, loads), weight, weight if bias is None or not reduce else bias,
+        out if reduce else part, part, _tile_counters(x.device) if reduce else part, m, k, n, x.stride(0), piece,
+        HAS_BIAS=bias is not None and reduce, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits,
+        PRECISION=_precision(x), X_TMA=loads == "tma", STAGES=stages, PARTS=parts, num_warps=warps, REDUCE=reduce,
+        **launch)
+    return part
 
 
 def split_for(m: int, n: int, k: int, element_size: int, multiprocessors: int, most: int = 8) -> int:
