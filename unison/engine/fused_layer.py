@@ -17,7 +17,8 @@ attention function writes K and V into the pool in a fourth. ``fused_layers(deco
   forms (``attention_form``: q/k norms or not, a sliding window or not), with plain ``nn.Linear`` projections of the
   pool's dtype, on the engine's paged forwards: ``qkv_rope_write`` normalises and rotates q and k, writes k and v
   at the tokens' pool slots and returns q; ``PagedBatch.attend_written`` then attends over the pool as
-  ``PagedBatch.attend`` does after its own write.
+  ``PagedBatch.attend`` does after its own write. o_proj and down_proj leave their split-K shares unsummed for the
+  residual add + norm kernel after them (``fused_linear.partials``).
 
 Each kernel rounds where transformers rounds (the sum to the dtype, the normalised value, the weight's product,
 each RoPE product and their sum), so the fused layer computes the layer's function (tests/test_fused_layer.py).
