@@ -172,13 +172,13 @@ def _qkv_class(cls: type) -> bool:
 
 
 def _gated_forward(mlp: torch.nn.Module, original):
-    def forward(x: torch.Tensor, down=None) -> torch.Tensor | Partials:
+    def forward(x: torch.Tensor, output=None) -> torch.Tensor | Partials:
         rows = _rows(x, mlp.gate_proj.weight, mlp.gate_proj.weight.shape[0])
         if rows is None:
             return original(x)
         hidden = gated(rows, mlp.gate_proj.weight, mlp.up_proj.weight).view(*x.shape[:-1], -1)
-        return down(mlp.down_proj, hidden) if down is not None else mlp.down_proj(hidden)
-    forward.partials = functools.partial(forward, down=partials)
+        return output(mlp.down_proj, hidden) if output is not None else mlp.down_proj(hidden)
+    forward.partials = functools.partial(forward, output=partials)
     return forward
 
 
