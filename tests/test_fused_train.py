@@ -75,6 +75,41 @@ def test_rope_forward_and_backward_equal_transformers():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (6, 4, 32), (16, 8, 128)])
+def test_qk_norm_rope_forward_and_backward_equal_transformers(heads, kv_heads, dim):
+    """Qwen3's q/k norms and RoPE in one kernel (unison.train.fused_qk), against the modules and function it replaces:
+    outputs and the gradients of q, k and both norms' weights; head counts that split across programs unevenly."""
+    from unison.train.fused_qk import qk_norm_rope
+
+    g = torch.Generator().manual_seed(heads * dim)
+    tokens = 11
+    q = torch.randn(tokens, heads, dim, generator=g) * 3
+    k = torch.randn(tokens, kv_heads, dim, generator=g)
+    freqs = torch.randn(tokens, dim // 2, generator=g)
+    cos, sin = torch.cat([freqs.cos()] * 2, -1), torch.cat([freqs.sin()] * 2, -1)
+    q_norm, k_norm = modeling_qwen3.Qwen3RMSNorm(dim, eps=1e-6), modeling_qwen3.Qwen3RMSNorm(dim, eps=1e-5)
+    with torch.no_grad():
+        q_norm.weight.copy_(torch.randn(dim, generator=g))
+        k_norm.weight.copy_(torch.randn(dim, generator=g))
+    upstream = [torch.randn(q.shape, generator=g), torch.randn(k.shape, generator=g)]
+
+    def reference(q, k, wq, wk):  # transformers' layout: (1, H, T, D)
+        qn = torch.func.functional_call(q_norm, {"weight": wq}, (q[None],)).transpose(1, 2)
+        kn = torch.func.functional_call(k_norm, {"weight": wk}, (k[None],)).transpose(1, 2)
+        qr, kr = modeling_qwen3.apply_rotary_pos_emb(qn, kn, cos[None], sin[None])
+        return qr.transpose(1, 2)[0], kr.transpose(1, 2)[0]
+
+    ref, ref_grads = _grads(reference, q, k, q_norm.weight, k_norm.weight, upstream=upstream)
+    weights = q_norm.weight.detach().clone(), k_norm.weight.detach().clone()
+    q_norm.weight.grad = k_norm.weight.grad = None
+    out, grads = _grads(lambda q, k: qk_norm_rope(q, k, q_norm, k_norm, cos, sin), q, k, upstream=upstream)
+    for a, b in zip(out, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads + [q_norm.weight.grad, k_norm.weight.grad], ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.equal(q_norm.weight.detach(), weights[0]) and ref_grads[2].abs().max() > 1
+
+
 def test_silu_mul_forward_and_backward_equal_pytorch():
     g = torch.Generator().manual_seed(2)
     gate, up = torch.randn(3, 700, generator=g) * 4, torch.randn(3, 700, generator=g)  # not a multiple of a block
@@ -139,12 +174,20 @@ def _logprobs_and_grads(model, row, kernels):
 
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
-def test_packed_forward_with_kernels_equals_transformers_modules(build):
+def test_packed_forward_with_kernels_equals_transformers_modules(build, monkeypatch):
+    """Logprobs, entropies and every parameter's gradient as transformers' modules give them; Qwen3's q/k norms and
+    RoPE through the one kernel (fused_qk), in every layer."""
+    from conftest import count_calls
+
+    from unison.train import fused_qk
+
+    calls = count_calls(monkeypatch, fused_qk, ["qk_norm_rope"])
     model = build(vocab=128)
     row = packed_row(model.config.vocab_size)
     logp, entropy, grads = _logprobs_and_grads(model, row, kernels=False)
     norms_before = {id(m): m.forward for m in model.modules()}
     fused_logp, fused_entropy, fused_grads = _logprobs_and_grads(model, row, kernels=True)
+    assert calls["qk_norm_rope"] == (model.config.num_hidden_layers if build is tiny_qwen3 else 0)
     torch.testing.assert_close(fused_logp, logp, rtol=0, atol=1e-5)
     torch.testing.assert_close(fused_entropy, entropy, rtol=0, atol=1e-5)
     for name, grad in grads.items():
@@ -159,12 +202,14 @@ def test_fused_training_switches_the_known_modules_and_nests():
     original_rope = modeling_qwen3.apply_rotary_pos_emb
     with fused.fused_training(model):
         assert "forward" in layer.mlp.__dict__ and "forward" in layer.self_attn.q_norm.__dict__
+        assert "forward" in layer.self_attn.__dict__  # q/k norms and RoPE in one kernel (fused_qk)
         assert modeling_qwen3.apply_rotary_pos_emb is not original_rope
         patched = layer.mlp.forward
         with fused.fused_training(model):  # nested: nothing switched again, nothing restored early
             assert layer.mlp.forward is patched
         assert layer.mlp.forward is patched
     assert "forward" not in layer.mlp.__dict__ and "forward" not in layer.self_attn.q_norm.__dict__
+    assert "forward" not in layer.self_attn.__dict__
     assert modeling_qwen3.apply_rotary_pos_emb is original_rope
     assert len(fused.fused_mlps(model)) == model.config.num_hidden_layers
 

@@ -75,6 +75,46 @@ def test_rope_and_silu_mul_bf16_at_the_floor():
     assert torch.equal(fused.silu_mul(gate, up), torch.nn.functional.silu(gate) * up)  # transformers' rounding
 
 
+def test_qk_norm_rope_bf16_at_the_floor():
+    """Qwen3-0.6B's heads over 8191 tokens: the q/k norms and RoPE in one kernel (fused_qk) against transformers'
+    modules, outputs and the gradients of q, k and both weights; the forward the engine's ``qkv_rope_write`` (the
+    same roundings, compiled alike: nearly every bit), so the trainer's logprobs stay the engine's."""
+    from unison.engine.fused_layer import qkv_rope_write
+    from unison.train.fused_qk import qk_norm_rope
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    tokens, heads, kv_heads, dim = 8191, 16, 8, 128
+    q = (torch.randn(tokens, heads, dim, device="cuda", generator=g) * 3).bfloat16()
+    k = torch.randn(tokens, kv_heads, dim, device="cuda", generator=g).bfloat16()
+    freqs = torch.rand(tokens, dim // 2, device="cuda", generator=g) * 1000
+    cos, sin = torch.cat([freqs.cos()] * 2, -1).bfloat16(), torch.cat([freqs.sin()] * 2, -1).bfloat16()
+    norms = [modeling_qwen3.Qwen3RMSNorm(dim, eps=1e-6).cuda().bfloat16() for _ in range(2)]
+    for norm in norms:
+        norm.weight.data = (1 + 0.1 * torch.randn(dim, device="cuda", generator=g)).bfloat16()
+    upstream = [torch.randn(t.shape, device="cuda", generator=g, dtype=torch.float64) for t in (q, k)]
+
+    def reference(q, k, wq, wk):
+        qn = torch.func.functional_call(norms[0], {"weight": wq}, (q[None],)).transpose(1, 2)
+        kn = torch.func.functional_call(norms[1], {"weight": wk}, (k[None],)).transpose(1, 2)
+        qr, kr = modeling_qwen3.apply_rotary_pos_emb(qn, kn, cos[None].to(q.dtype), sin[None].to(q.dtype))
+        return qr.transpose(1, 2)[0], kr.transpose(1, 2)[0]
+
+    weights = [norms[0].weight, norms[1].weight]
+    exact = _run(reference, [t.double() for t in (q, k, *weights)], upstream)
+    theirs = _run(reference, [q, k, *weights], upstream)
+    inputs = [t.detach().clone().requires_grad_(True) for t in (q, k)]
+    outs = qk_norm_rope(*inputs, *norms, cos, sin)
+    sum((o.double() * u).sum() for o, u in zip(outs, upstream, strict=True)).backward()
+    ours = [o.detach().double() for o in outs] + [t.grad.double() for t in (*inputs, *weights)]
+    _assert_at_floor([((a - e).abs().mean().item(), (b - e).abs().mean().item())
+                      for a, b, e in zip(ours, theirs, exact, strict=True)])
+    k_pool, v_pool = torch.zeros(2, tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    engine_q = qkv_rope_write(q, k, k, cos, sin, k_pool, v_pool, torch.arange(tokens, device="cuda"), *norms)
+    same = [(a == b).float().mean().item() for a, b in ((outs[0], engine_q), (outs[1], k_pool))]
+    print(f"qk_norm_rope against the engine's qkv_rope_write: same bits q {same[0]:.6f}, k {same[1]:.6f}")
+    assert min(same) > 0.999
+
+
 def test_logprob_kernels_equal_pytorch_on_the_gpu():
     torch.manual_seed(2)
     hidden = torch.randn(3000, 1024, device="cuda").bfloat16().requires_grad_(True)

@@ -193,15 +193,19 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def fused_training(model: torch.nn.Module):
-    """Within the block, ``model``'s known RMSNorms, RoPE and SwiGLU MLPs run as the differentiable kernels above.
-    Yields True."""
+    """Within the block, ``model``'s known RMSNorms, RoPE and SwiGLU MLPs run as the differentiable kernels above, and
+    the q/k norms and RoPE of attentions that have q/k norms as one (``unison.train.fused_qk``). Yields True."""
     if getattr(model, _ACTIVE, False):
         yield True
         return
-    mlps = fused_mlps(model)
+    from .fused_qk import training_attentions
+
+    modules = list(model.modules())  # one walk for the swaps (the block is entered for every packed row)
+    mlps = fused_mlps(model, modules)
     with ExitStack() as stack:
-        stack.enter_context(fused_norm.fused_norms(model, norm=rms_norm))
-        stack.enter_context(fused_rope.fused_rope(model, apply=rope))
+        stack.enter_context(fused_norm.fused_norms(model, norm=rms_norm, modules=modules))
+        stack.enter_context(fused_rope.fused_rope(model, apply=rope, modules=modules))
+        stack.enter_context(training_attentions(modules))
         for mlp in mlps:
             own = mlp.__dict__.get("forward")
             mlp.forward = _mlp_forward(mlp)

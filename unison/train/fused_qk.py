@@ -1,0 +1,217 @@
+"""The training forward's q/k RMSNorms and RoPE as one differentiable kernel, for attentions with q/k norms (Qwen3).
+
+transformers normalises q and k per head and then rotates them: with ``unison.train.fused``'s kernels that is two
+passes over q and k forward (the norm kernel, then the RoPE kernel) and two backward. ``qk_norm_rope`` reads q and k
+once and writes them once each way: in a 0.6B training step of 16384-token rows on the H200 the kernels involved
+went from 41.6 to 29.4 ms of GPU time (bench/results/h200/speed/deferred/README.md; its backward, ~1.9 TB/s, walks
+its tokens one after another and is the part to speed up).
+
+The forward rounds where transformers rounds (as ``unison.engine.fused_layer.qkv_rope_write``: fp32 statistics,
+the normalised value, its product with the weight, each RoPE product and their sum), so the trainer's logprobs stay
+the engine's. The backward computes in fp32 and rounds once, as the trainer's other kernels do.
+``training_attentions`` swaps, for a ``with`` block, the forward of the attentions whose forward is Llama-form
+with q/k norms (``fused_layer.attention_form``) for one that calls it; anything the kernel does not cover runs
+the attention's own forward.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import ExitStack, contextmanager
+
+import torch
+import triton
+import triton.language as tl
+
+from ..engine.fused_layer import attention_form
+from ..engine.fused_linear import swap_forward
+from ..engine.fused_norm import fusable
+from .fused import _multiprocessors, _sum_parts
+
+
+@triton.jit
+def _rows_of(Q, K, t, head, q_heads, k_heads, stride_q, stride_k, d):
+    """Offsets of token t's head rows (query heads, then key heads) in Q and K, and which rows are which."""
+    is_q = head < q_heads
+    is_k = (head >= q_heads) & (head < q_heads + k_heads)
+    return Q + t * stride_q + head * (2 * d), K + t * stride_k + (head - q_heads) * (2 * d), is_q, is_k
+
+
+@triton.jit(do_not_specialize=["n_tokens"])
+def _forward_kernel(Q, K, QW, KW, Cos, Sin, QO, KO, n_tokens, q_heads, k_heads, stride_q, stride_k, stride_c,
+                    eps_q, eps_k, HALF: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr):
+    """One token, HEADS of its heads: rope(norm(x)) with transformers' roundings."""
+    t = tl.program_id(0).to(tl.int64)
+    head = (tl.program_id(1) * HEADS + tl.arange(0, HEADS))[:, None]
+    d = tl.arange(0, BLOCK)[None, :]
+    dmask = d < 2 * HALF
+    first = d < HALF
+    partner = tl.where(first, d + HALF, d - HALF)
+    q_at, k_at, is_q, is_k = _rows_of(Q, K, t, head, q_heads, k_heads, stride_q, stride_k, HALF)
+    x = tl.where(is_q, tl.load(q_at + d, mask=dmask & is_q, other=0.0), tl.load(k_at + d, mask=dmask & is_k, other=0.0))
+    other = tl.where(is_q, tl.load(q_at + partner, mask=dmask & is_q, other=0.0),
+                     tl.load(k_at + partner, mask=dmask & is_k, other=0.0))
+    dtype = x.dtype
+    xf = x.to(tl.float32)
+    r = tl.rsqrt(tl.sum(xf * xf, 1, keep_dims=True) / (2 * HALF) + tl.where(head < q_heads, eps_q, eps_k))
+    w = tl.where(is_q, tl.load(QW + d, mask=dmask, other=0.0), tl.load(KW + d, mask=dmask, other=0.0))
+    wp = tl.where(is_q, tl.load(QW + partner, mask=dmask, other=0.0), tl.load(KW + partner, mask=dmask, other=0.0))
+    x = (w.to(tl.float32) * (xf * r).to(dtype).to(tl.float32)).to(dtype)
+    other = (wp.to(tl.float32) * (other.to(tl.float32) * r).to(dtype).to(tl.float32)).to(dtype)
+    cos = tl.load(Cos + t * stride_c + d, mask=dmask, other=0.0).to(tl.float32)
+    sin = tl.load(Sin + t * stride_c + d, mask=dmask, other=0.0).to(tl.float32)
+    rotated = tl.where(first, -other.to(tl.float32), other.to(tl.float32))  # rotate_half: cat(-x2, x1)
+    a = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
+    b = (rotated * sin).to(dtype).to(tl.float32)
+    out = (a + b).to(dtype)
+    tl.store(QO + t * (q_heads * 2 * HALF) + head * (2 * HALF) + d, out, mask=dmask & is_q)
+    tl.store(KO + t * (k_heads * 2 * HALF) + (head - q_heads) * (2 * HALF) + d, out, mask=dmask & is_k)
+
+
+@triton.jit(do_not_specialize=["n_tokens", "tokens_per_program"])
+def _backward_kernel(DQ, DK, Q, K, QW, KW, Cos, Sin, DQX, DKX, DWQ, DWK, n_tokens, tokens_per_program, q_heads,
+                     k_heads, stride_q, stride_k, stride_c, eps_q, eps_k, HALF: tl.constexpr, BLOCK: tl.constexpr,
+                     HEADS: tl.constexpr):
+    """Tokens [pid * tokens_per_program, ...), HEADS of their heads (group program_id(1)): dx of rope(norm(x)) given
+    its output's gradient (RoPE's transpose, then RMSNorm's backward, in fp32), and this program's partial sums of
+    the two weights' gradients (row pid * groups + group of DWQ and DWK)."""
+    pid = tl.program_id(0)
+    group = tl.program_id(1)
+    head = (group * HEADS + tl.arange(0, HEADS))[:, None]
+    d = tl.arange(0, BLOCK)[None, :]
+    dmask = d < 2 * HALF
+    first = d < HALF
+    partner = tl.where(first, d + HALF, d - HALF)
+    is_q = head < q_heads
+    q_rows = is_q & dmask
+    k_rows = (head >= q_heads) & (head < q_heads + k_heads) & dmask
+    w = tl.where(is_q, tl.load(QW + d, mask=dmask, other=0.0), tl.load(KW + d, mask=dmask, other=0.0)).to(tl.float32)
+    eps = tl.where(is_q, eps_q, eps_k)
+    dw = tl.zeros([HEADS, BLOCK], tl.float32)
+    for i in range(0, tokens_per_program):
+        t = pid.to(tl.int64) * tokens_per_program + i
+        live = (tl.zeros([1, BLOCK], tl.int64) + t) < n_tokens  # (a tensor: the interpreter's masks want one)
+        qm, km = q_rows & live, k_rows & live
+        q_at, k_at, _, _ = _rows_of(Q, K, t, head, q_heads, k_heads, stride_q, stride_k, HALF)
+        dq_at, dk_at, _, _ = _rows_of(DQ, DK, t, head, q_heads, k_heads, stride_q, stride_k, HALF)
+        dy = tl.where(is_q, tl.load(dq_at + d, mask=qm, other=0.0), tl.load(dk_at + d, mask=km, other=0.0))
+        dyp = tl.where(is_q, tl.load(dq_at + partner, mask=qm, other=0.0),
+                       tl.load(dk_at + partner, mask=km, other=0.0)).to(tl.float32)
+        cos = tl.load(Cos + t * stride_c + d, mask=dmask & live, other=0.0).to(tl.float32)
+        sin_p = tl.load(Sin + t * stride_c + partner, mask=dmask & live, other=0.0).to(tl.float32)
+        # RoPE's transpose: dn1 = dy1 * cos1 + dy2 * sin2, dn2 = dy2 * cos2 - dy1 * sin1
+        dn = dy.to(tl.float32) * cos + tl.where(first, dyp, -dyp) * sin_p
+        x = tl.where(is_q, tl.load(q_at + d, mask=qm, other=0.0), tl.load(k_at + d, mask=km, other=0.0))
+        xf = x.to(tl.float32)
+        r = tl.rsqrt(tl.sum(xf * xf, 1, keep_dims=True) / (2 * HALF) + eps)
+        dw += dn * (xf * r).to(x.dtype).to(tl.float32)  # the forward's weight multiplied the rounded value
+        dnw = dn * w
+        dx = r * dnw - xf * (r * r * r) * (tl.sum(dnw * xf, 1, keep_dims=True) / (2 * HALF))
+        dqx_at, dkx_at, _, _ = _rows_of(DQX, DKX, t, head, q_heads, k_heads, q_heads * 2 * HALF,
+                                        k_heads * 2 * HALF, HALF)
+        tl.store(dqx_at + d, dx.to(DQX.dtype.element_ty), mask=qm)
+        tl.store(dkx_at + d, dx.to(DKX.dtype.element_ty), mask=km)
+    cols = tl.arange(0, BLOCK)
+    part = (pid * tl.num_programs(1) + group) * (2 * HALF) + cols
+    tl.store(DWQ + part, tl.sum(tl.where(is_q, dw, 0.0), 0), mask=cols < 2 * HALF)
+    tl.store(DWK + part, tl.sum(tl.where(is_q, 0.0, dw), 0), mask=cols < 2 * HALF)
+
+
+class _QKNormRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, q_weight, k_weight, eps_q, eps_k, cos, sin):
+        q, k = q.contiguous(), k.contiguous()
+        tokens, heads, dim = q.shape
+        kv_heads = k.shape[1]
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        per = min(triton.next_power_of_2(heads + kv_heads), 8)
+        _forward_kernel[(tokens, triton.cdiv(heads + kv_heads, per))](
+            q, k, q_weight, k_weight, cos, sin, q_out, k_out, tokens, heads, kv_heads, q.stride(0), k.stride(0),
+            cos.stride(0), eps_q, eps_k, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim), HEADS=per,
+            num_warps=4 if per * dim > 512 else 1, enable_fp_fusion=False)
+        ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
+        ctx.eps = eps_q, eps_k
+        return q_out, k_out
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
+        tokens, heads, dim = q.shape
+        kv_heads = k.shape[1]
+        dq = dq.contiguous() if dq is not None else torch.zeros_like(q)
+        dk = dk.contiguous() if dk is not None else torch.zeros_like(k)
+        per = min(triton.next_power_of_2(heads + kv_heads), 8)
+        groups = triton.cdiv(heads + kv_heads, per)
+        programs = max(1, min(tokens, 8 * _multiprocessors(q.device) // groups))
+        per_program = -(-tokens // programs)
+        programs = -(-tokens // per_program)
+        dq_x, dk_x = torch.empty_like(q), torch.empty_like(k)
+        dwq = torch.empty(programs * groups, dim, dtype=torch.float32, device=q.device)
+        dwk = torch.empty_like(dwq)
+        _backward_kernel[(programs, groups)](
+            dq, dk, q, k, q_weight, k_weight, cos, sin, dq_x, dk_x, dwq, dwk, tokens, per_program, heads, kv_heads,
+            q.stride(0), k.stride(0), cos.stride(0), *ctx.eps, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim),
+            HEADS=per, num_warps=4 if per * dim > 512 else 1)
+        return (dq_x, dk_x, _sum_parts(dwq, q_weight.dtype), _sum_parts(dwk, k_weight.dtype), None, None, None,
+                None)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm: torch.nn.Module, k_norm: torch.nn.Module,
+                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope(q_norm(q)), rope(k_norm(k)) as transformers' Qwen3 attention computes them, differentiable w.r.t. q, k
+    and the norms' weights. q: (T, H, D), k: (T, KVH, D), contiguous; cos, sin: (T, D) with a contiguous last
+    dimension (not trained). Returns tensors of q's and k's shapes."""
+    if cos.requires_grad or sin.requires_grad:
+        raise ValueError("qk_norm_rope: the cos/sin tables require grad; the kernel does not differentiate them")
+    return _QKNormRope.apply(q, k, q_norm.weight, k_norm.weight, q_norm.variance_epsilon, k_norm.variance_epsilon,
+                             cos, sin)
+
+
+def _covered(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: torch.nn.Module) -> bool:
+    """One sequence of packed rows (batch 1), full-width RoPE tables and norm weights of x's dtype."""
+    dim = attn.head_dim
+    return (x.ndim == 3 and x.shape[0] == 1 and cos.shape == (1, x.shape[1], dim) and sin.shape == cos.shape
+            and cos.stride() == sin.stride() and cos.stride(-1) == 1 and dim % 2 == 0
+            and cos.dtype == sin.dtype == x.dtype == attn.q_norm.weight.dtype == attn.k_norm.weight.dtype)
+
+
+def _attention_forward(attn: torch.nn.Module, window: str | None):
+    original = attn.forward
+    modeling = sys.modules[type(attn).__module__]
+
+    def forward(hidden_states, *args, **kwargs):
+        cos, sin = kwargs.get("position_embeddings") or (None, None)
+        if (args or cos is None or kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
+                or "paged" in kwargs or not _covered(hidden_states, cos, sin, attn)):
+            return original(hidden_states, *args, **kwargs)
+        rest = {k: v for k, v in kwargs.items()
+                if k not in ("position_embeddings", "attention_mask", "cache", "past_key_values")}
+        if window is not None:
+            rest["sliding_window"] = attn.sliding_window if window == "layer" else \
+                getattr(attn.config, "sliding_window", None)
+        n = hidden_states.shape[1]
+        q = attn.q_proj(hidden_states).view(n, -1, attn.head_dim)
+        k = attn.k_proj(hidden_states).view(n, -1, attn.head_dim)
+        v = attn.v_proj(hidden_states).view(1, n, -1, attn.head_dim).transpose(1, 2)
+        q, k = qk_norm_rope(q, k, attn.q_norm, attn.k_norm, cos[0], sin[0])
+        interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
+                                                                   modeling.eager_attention_forward)
+        out, weights = interface(attn, q[None].transpose(1, 2), k[None].transpose(1, 2), v,
+                                 kwargs.get("attention_mask"), dropout=attn.attention_dropout if attn.training else 0.0,
+                                 scaling=attn.scaling, **rest)
+        return attn.o_proj(out.reshape(1, n, -1).contiguous()), weights
+    return forward
+
+
+@contextmanager
+def training_attentions(modules: list[torch.nn.Module]):
+    """Within the block, every attention among ``modules`` of a Llama form with q/k norms the norm kernel computes
+    runs its norms and RoPE as ``qk_norm_rope``. Yields the number switched."""
+    with ExitStack() as stack:
+        switched = 0
+        for module in modules:
+            form = attention_form(type(module))
+            if form is not None and form[0] and fusable(module.q_norm) and fusable(module.k_norm):
+                swap_forward(stack, module, _attention_forward(module, form[1]))
+                switched += 1
+        yield switched
