@@ -30,11 +30,12 @@ from .fused import _multiprocessors, _sum_parts
 
 
 @triton.jit
-def _rows_of(Q, K, t, head, q_heads, k_heads, stride_q, stride_k, d):
-    """Offsets of token t's head rows (query heads, then key heads) in Q and K, and which rows are which."""
+def _rows_of(Q, K, t, head, q_heads, k_heads, stride_q, stride_k, half):
+    """Token t's rows of ``head`` (query heads, then key heads; 2 * half wide) in Q and K, and which rows are
+    which."""
     is_q = head < q_heads
     is_k = (head >= q_heads) & (head < q_heads + k_heads)
-    return Q + t * stride_q + head * (2 * d), K + t * stride_k + (head - q_heads) * (2 * d), is_q, is_k
+    return Q + t * stride_q + head * (2 * half), K + t * stride_k + (head - q_heads) * (2 * half), is_q, is_k
 
 
 @triton.jit(do_not_specialize=["n_tokens"])
