@@ -101,14 +101,14 @@ def llama_layer(cls: type) -> bool:
     return body(cls.forward) == LAYER_BODY
 
 
-# One program: HEADS of one token's heads (its query heads, then its key heads, each key head with its value head).
 @triton.jit
-def _qkv_rope_write_kernel(Q, K, V, QW, KW, Cos, Sin, QO, KP, VP, Slots, q_heads, k_heads, stride_q, stride_k,
-                           stride_v, stride_c, stride_qo, stride_kp, stride_vp, eps_q, eps_k, HALF: tl.constexpr,
-                           BLOCK: tl.constexpr, HEADS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-    gdc.wait(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+def normed_rope(Q, K, QW, KW, Cos, Sin, t, heads, q_heads, k_heads, stride_q, stride_k, stride_c, eps_q, eps_k,
+                HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr):
+    """Token t's ``heads`` (query heads, then key heads, each 2 * HALF wide at Q + t * stride_q, K + t * stride_k)
+    normalised (unless not NORM) and rotated with transformers' roundings; returns (out, d, dmask, is_q, is_k, kh):
+    the rows, their columns and which rows are which (kh: the key head of each row). The engine's
+    ``qkv_rope_write`` and the trainer's ``unison.train.fused_qk`` both compute it, so their q and k agree bit for bit
+    (launched with multiply-add contraction off)."""
     head = heads[:, None]
     d = tl.arange(0, BLOCK)[None, :]
     dmask = d < 2 * HALF
@@ -137,7 +137,20 @@ def _qkv_rope_write_kernel(Q, K, V, QW, KW, Cos, Sin, QO, KP, VP, Slots, q_heads
     rotated = tl.where(first, -other.to(tl.float32), other.to(tl.float32))  # rotate_half: cat(-x2, x1)
     a = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)  # transformers' roundings: each product, then the sum
     b = (rotated * sin).to(dtype).to(tl.float32)
-    out = (a + b).to(dtype)
+    return (a + b).to(dtype), d, dmask, is_q, is_k, kh
+
+
+# One program: HEADS of one token's heads (its query heads, then its key heads, each key head with its value head).
+@triton.jit
+def _qkv_rope_write_kernel(Q, K, V, QW, KW, Cos, Sin, QO, KP, VP, Slots, q_heads, k_heads, stride_q, stride_k,
+                           stride_v, stride_c, stride_qo, stride_kp, stride_vp, eps_q, eps_k, HALF: tl.constexpr,
+                           BLOCK: tl.constexpr, HEADS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    gdc.wait(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    out, d, dmask, is_q, is_k, kh = normed_rope(Q, K, QW, KW, Cos, Sin, t, heads, q_heads, k_heads, stride_q,
+                                                stride_k, stride_c, eps_q, eps_k, HALF, BLOCK, NORM)
+    head = heads[:, None]
     tl.store(QO + t * stride_qo + head * (2 * HALF) + d, out, mask=dmask & is_q)
     slot = tl.load(Slots + t)
     tl.store(KP + slot * stride_kp + kh * (2 * HALF) + d, out, mask=dmask & is_k)

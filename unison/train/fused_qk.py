@@ -6,9 +6,9 @@ once and writes them once each way: in a 0.6B training step of 16384-token rows 
 went from 41.6 to 29.4 ms of GPU time (bench/results/h200/speed/deferred/README.md; its backward, ~1.9 TB/s, walks
 its tokens one after another and is the part to speed up).
 
-The forward rounds where transformers rounds (as ``unison.engine.fused_layer.qkv_rope_write``: fp32 statistics,
-the normalised value, its product with the weight, each RoPE product and their sum), so the trainer's logprobs stay
-the engine's. The backward computes in fp32 and rounds once, as the trainer's other kernels do.
+The forward is the engine's own function (``unison.engine.fused_layer.normed_rope``, which ``qkv_rope_write``
+runs: fp32 statistics, the normalised value, its product with the weight, each RoPE product and their sum), so the
+trainer's logprobs stay the engine's. The backward computes in fp32 and rounds once, as the trainer's other kernels do.
 ``training_attentions`` swaps, for a ``with`` block, the forward of the attentions whose forward is Llama-form
 with q/k norms (``fused_layer.attention_form``) for one that calls it; anything the kernel does not cover runs
 the attention's own forward.
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..engine.fused_layer import attention_form
+from ..engine.fused_layer import attention_form, normed_rope
 from ..engine.fused_linear import swap_forward
 from ..engine.fused_norm import fusable
 from .fused import _multiprocessors, _sum_parts
@@ -41,32 +41,13 @@ def _rows_of(Q, K, t, head, q_heads, k_heads, stride_q, stride_k, half):
 @triton.jit(do_not_specialize=["n_tokens"])
 def _forward_kernel(Q, K, QW, KW, Cos, Sin, QO, KO, n_tokens, q_heads, k_heads, stride_q, stride_k, stride_c,
                     eps_q, eps_k, HALF: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr):
-    """One token, HEADS of its heads: rope(norm(x)) with transformers' roundings."""
+    """One token, HEADS of its heads: rope(norm(x)) with transformers' roundings (the engine's own function)."""
     t = tl.program_id(0).to(tl.int64)
-    head = (tl.program_id(1) * HEADS + tl.arange(0, HEADS))[:, None]
-    d = tl.arange(0, BLOCK)[None, :]
-    dmask = d < 2 * HALF
-    first = d < HALF
-    partner = tl.where(first, d + HALF, d - HALF)
-    q_at, k_at, is_q, is_k = _rows_of(Q, K, t, head, q_heads, k_heads, stride_q, stride_k, HALF)
-    x = tl.where(is_q, tl.load(q_at + d, mask=dmask & is_q, other=0.0), tl.load(k_at + d, mask=dmask & is_k, other=0.0))
-    other = tl.where(is_q, tl.load(q_at + partner, mask=dmask & is_q, other=0.0),
-                     tl.load(k_at + partner, mask=dmask & is_k, other=0.0))
-    dtype = x.dtype
-    xf = x.to(tl.float32)
-    r = tl.rsqrt(tl.sum(xf * xf, 1, keep_dims=True) / (2 * HALF) + tl.where(head < q_heads, eps_q, eps_k))
-    w = tl.where(is_q, tl.load(QW + d, mask=dmask, other=0.0), tl.load(KW + d, mask=dmask, other=0.0))
-    wp = tl.where(is_q, tl.load(QW + partner, mask=dmask, other=0.0), tl.load(KW + partner, mask=dmask, other=0.0))
-    x = (w.to(tl.float32) * (xf * r).to(dtype).to(tl.float32)).to(dtype)
-    other = (wp.to(tl.float32) * (other.to(tl.float32) * r).to(dtype).to(tl.float32)).to(dtype)
-    cos = tl.load(Cos + t * stride_c + d, mask=dmask, other=0.0).to(tl.float32)
-    sin = tl.load(Sin + t * stride_c + d, mask=dmask, other=0.0).to(tl.float32)
-    rotated = tl.where(first, -other.to(tl.float32), other.to(tl.float32))  # rotate_half: cat(-x2, x1)
-    a = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
-    b = (rotated * sin).to(dtype).to(tl.float32)
-    out = (a + b).to(dtype)
-    tl.store(QO + t * (q_heads * 2 * HALF) + head * (2 * HALF) + d, out, mask=dmask & is_q)
-    tl.store(KO + t * (k_heads * 2 * HALF) + (head - q_heads) * (2 * HALF) + d, out, mask=dmask & is_k)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    out, d, dmask, is_q, is_k, kh = normed_rope(Q, K, QW, KW, Cos, Sin, t, heads, q_heads, k_heads, stride_q,
+                                                stride_k, stride_c, eps_q, eps_k, HALF, BLOCK, True)
+    tl.store(QO + t * (q_heads * 2 * HALF) + heads[:, None] * (2 * HALF) + d, out, mask=dmask & is_q)
+    tl.store(KO + t * (k_heads * 2 * HALF) + kh * (2 * HALF) + d, out, mask=dmask & is_k)
 
 
 @triton.jit(do_not_specialize=["n_tokens", "tokens_per_program"])
