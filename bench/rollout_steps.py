@@ -7,6 +7,11 @@ submitting prompts) and Python's garbage collections, per rollout. bench/grpo_st
 
 A compile is a kernel variant Triton had not built yet in this process (``triton.knobs.runtime.jit_cache_hook``):
 it costs ~0.3-0.5 s on the H200 unless Triton's disk cache holds it from an earlier run.
+
+``--profile-train N`` runs the Nth training step of the loop under torch.profiler and reports, as
+``train_timeline.py`` does for a standalone step, the GPU's busy time against the wall time per phase, plus the host
+time before the first forward (packing, copies) and after the optimizer (metrics read back). The profiler adds host
+time per operation: the other steps' ``train_s`` are the unprofiled ones.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import grpo_step  # noqa: E402
+import train_timeline  # noqa: E402
 
+import unison.train.loop as train_loop  # noqa: E402
+import unison.train.step as step_module  # noqa: E402
 from unison.engine.engine import Engine  # noqa: E402
 from unison.rollout.loop import RolloutLoop  # noqa: E402
 
@@ -36,6 +44,7 @@ class Probe:
 
     def __init__(self):
         self.rollouts: list[dict] = []
+        self.trains: list[dict] = []  # per training step: the allocator's counts (allocator_counts), collections
         self.current: dict | None = None
         self.compiled: list[str] = []
         self._gc_start = 0.0
@@ -61,7 +70,7 @@ class Probe:
             t = time.perf_counter()
             out = step(engine)
             dt = time.perf_counter() - t
-            if probe.current is not None:
+            if probe.current is not None and "steps" in probe.current:
                 probe.current["steps"].append({"ms": round(dt * 1e3, 3), "compiled": probe.compiled[compiled:],
                                                "captured": _captured(engine) - captured,
                                                "running": len(engine.scheduler.running)})
@@ -75,13 +84,26 @@ class Probe:
 
         def timed_next_batch(loop, trainer_version):
             probe.current = {"steps": [], "host_ms": {}, "gc_ms": {}}
-            t = time.perf_counter()
+            before, t = allocator_counts(), time.perf_counter()
             out = next_batch(loop, trainer_version)
             probe.current["total_s"] = time.perf_counter() - t
+            probe.current["allocator"] = counts_since(before)
             probe.rollouts.append(probe.current)
             probe.current = None
             return out
         RolloutLoop.next_batch = timed_next_batch
+
+        train_step = train_loop.train_step
+
+        def counted_train_step(*args, **kwargs):
+            probe.current = {"gc_ms": {}}  # collections during the step land here
+            before = allocator_counts()
+            out = train_step(*args, **kwargs)
+            gcs = {k: (n, round(v, 1)) for k, (n, v) in sorted(probe.current["gc_ms"].items())}
+            probe.trains.append({**counts_since(before), "gc_ms": gcs})
+            probe.current = None
+            return out
+        train_loop.train_step = counted_train_step
 
     def _timed_phase(self, name: str, original):
         def phase(loop, *args, **kwargs):
@@ -89,7 +111,7 @@ class Probe:
             try:
                 return original(loop, *args, **kwargs)
             finally:
-                if self.current is not None:
+                if self.current is not None and "host_ms" in self.current:
                     calls, ms = self.current["host_ms"].get(name, (0, 0.0))
                     self.current["host_ms"][name] = (calls + 1, ms + (time.perf_counter() - t) * 1e3)
         return phase
@@ -101,6 +123,65 @@ class Probe:
             key = f"gen{info['generation']}"
             calls, ms = self.current["gc_ms"].get(key, (0, 0.0))
             self.current["gc_ms"][key] = (calls + 1, ms + (time.perf_counter() - self._gc_start) * 1e3)
+
+
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+
+
+def allocator_counts() -> dict[str, int]:
+    """The CUDA caching allocator's cumulative counts: a retry is an allocation that failed, freed every cached
+    block (synchronizing the device) and tried again; device allocs and frees are cudaMalloc and cudaFree calls."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTS}
+
+
+def counts_since(before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in allocator_counts().items()}
+
+
+def profile_train(call: int) -> dict:
+    """Profile the ``call``-th ``train_step`` of the loop (1-based); the returned dict fills in when it has run."""
+    found: dict = {}
+    original = train_loop.train_step
+    calls = [0]
+
+    def wrapped(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] != call:
+            return original(*args, **kwargs)
+        labels = {k: getattr(step_module, k) for k in ("policy_logprobs", "grpo_loss", "_optimizer_step")}
+        for (k, fn), label in zip(labels.items(), ("forward", "loss", "optimizer"), strict=True):
+            setattr(step_module, k, train_timeline.labelled(fn, label))
+        try:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                with torch.profiler.record_function("train_step"):
+                    out = original(*args, **kwargs)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+        finally:
+            for k, fn in labels.items():
+                setattr(step_module, k, fn)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                trace = json.load(f)
+        found.update(train_timeline.analyse(trace))
+        outer = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("name") == "train_step"
+                 and e.get("cat") == "user_annotation"]
+        marks = {name: [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("name") == name
+                        and e.get("cat") == "user_annotation"] for name in ("forward", "optimizer")}
+        if outer and marks["forward"] and marks["optimizer"]:
+            a, b = outer[0]["ts"], outer[0]["ts"] + outer[0]["dur"]
+            found["train_step_wall_ms"] = (b - a) / 1e3
+            found["before_first_forward_ms"] = (min(e["ts"] for e in marks["forward"]) - a) / 1e3
+            found["after_optimizer_ms"] = (b - max(e["ts"] + e["dur"] for e in marks["optimizer"])) / 1e3
+        return out
+    train_loop.train_step = wrapped
+    return found
 
 
 def _captured(engine: Engine) -> int:
@@ -118,6 +199,7 @@ def summary(rollout: dict) -> dict:
             "captured": sum(s["captured"] for s in steps),
             "slowest": [(i, steps[i]["ms"], steps[i]["running"], len(steps[i]["compiled"])) for i in slow],
             "host_ms": {k: (n, round(v, 1)) for k, (n, v) in rollout["host_ms"].items()},
+            "allocator": rollout.get("allocator", {}),
             "gc_ms": {k: (n, round(v, 1)) for k, (n, v) in sorted(rollout["gc_ms"].items())}}
 
 
@@ -129,9 +211,12 @@ def main():
     p.add_argument("--new", type=int, default=512)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--unison-set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--profile-train", type=int, default=0, metavar="N",
+                   help="profile the Nth training step (see the module's docstring)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     probe = Probe()
+    trained = profile_train(args.profile_train) if args.profile_train else {}
     with tempfile.TemporaryDirectory() as work:
         checkpoint = os.path.join(work, "checkpoint")
         grpo_step.make_checkpoint(args.shape, checkpoint, torch.bfloat16, args.device)
@@ -145,13 +230,19 @@ def main():
     for i, r in enumerate(rows, 1):
         print(f"{i:7d}  {r['total_s']:7.3f}  {r['in_steps_s']:10.3f}  {r['between_steps_s']:9.3f}  "
               f"{r['median_step_ms']:14.3f}  {len(r['compiled']):8d}  {r['slowest']}")
-        print(f"         host ms {r['host_ms']}  gc ms {r['gc_ms']}  compiled {r['compiled']}")
+        print(f"         host ms {r['host_ms']}  gc ms {r['gc_ms']}  compiled {r['compiled']}  allocator "
+              f"{r['allocator']}")
+    print("train_s of every step:", [round(s["train_s"], 4) for s in run["every_step"]])
+    print("allocator counts of every training step:", probe.trains)
+    if trained:
+        print("profiled training step:", json.dumps(trained))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                        "shape": args.shape, "overrides": args.unison_set,
                        "every_step": run["every_step"],
-                       "rollouts": rows}, f, indent=1)
+                       "rollouts": rows, "train_allocator": probe.trains, "profiled_train_step": trained}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

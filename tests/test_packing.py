@@ -11,7 +11,7 @@ import unison.engine.attention  # noqa: F401  (registers attn_implementation="un
 from unison.engine.attention import NO_MASK
 from unison.rollout.sample import Sample
 from unison.train.logprobs import policy_logprobs
-from unison.train.packing import PackedRow, first_fit_decreasing, pack_samples
+from unison.train.packing import PackedRow, balanced_rows, first_fit_decreasing, pack_samples
 
 VOCAB = 256
 PAD = 0
@@ -96,12 +96,54 @@ def test_first_fit_decreasing_placement():
     assert [r.cu_seqlens.tolist() for r in rows] == [[0, 6, 10], [0, 5, 8, 10]]
 
 
+def test_rows_after_the_first_are_balanced_without_adding_rows():
+    # First-fit-decreasing fills rows in turn: 30, 30, 30 and 10 tokens. Now the first stays full and the others
+    # share the rest: 30, 20, 20, 20.
+    assert first_fit_decreasing([10] * 10, 32) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert balanced_rows([10] * 10, 32) == [[0, 1, 2], [3, 6, 9], [4, 7], [5, 8]]
+    # A GRPO step's 64 samples of 576 tokens in rows of 16384: three rows either way.
+    rows = balanced_rows([576] * 64, 16384)
+    assert [len(r) * 576 for r in first_fit_decreasing([576] * 64, 16384)] == [16128, 16128, 4608]
+    assert [len(r) * 576 for r in rows] == [16128, 10368, 10368]
+    # Two rows, or where the emptiest-bin order cannot place everything: first-fit-decreasing's bins stand.
+    assert balanced_rows([2, 6, 3, 5, 4], 10) == first_fit_decreasing([2, 6, 3, 5, 4], 10)
+    assert balanced_rows([9, 9, 9, 2, 2, 2, 2], 10) == first_fit_decreasing([9, 9, 9, 2, 2, 2, 2], 10)
+    rng = random.Random(1)
+    for _ in range(300):
+        lengths = [rng.randint(1, 20) for _ in range(rng.randint(1, 40))]
+        rows, ffd = balanced_rows(lengths, 24), first_fit_decreasing(lengths, 24)
+        assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+        assert len(rows) == len(ffd) and rows[0] == ffd[0]
+        assert all(sum(lengths[i] for i in r) <= 24 for r in rows)
+        if len(rows) > 2:  # the shortest row after the first is no shorter than first-fit-decreasing's
+            assert min(sum(lengths[i] for i in r) for r in rows[1:]) >= min(sum(lengths[i] for i in r) for r in ffd)
+
+
 def test_errors_name_the_problem():
     with pytest.raises(ValueError, match=r"12 tokens.*max_tokens_per_row \(10\)"):
         pack_samples([make_sample(2, 3, 0), make_sample(4, 8, 1)], max_tokens_per_row=10, pad_id=PAD)
     with pytest.raises(ValueError, match="multiple of pad_to"):
         pack_samples([make_sample(2, 3, 0)], max_tokens_per_row=10, pad_id=PAD, pad_to=4)
     assert pack_samples([], max_tokens_per_row=10, pad_id=PAD) == []
+
+
+def test_completion_mask_leaves_context_tokens_out():
+    """A multi-turn sample's context tokens (mask False) are predicted by no loss position and carry no advantage;
+    the model's tokens keep their engine logprobs; padding after it stays out."""
+    s = make_sample(3, 6, seed=4, advantage=-1.5)
+    turns = (True, True, False, False, True, True)
+    s = Sample(s.prompt_ids, s.completion_ids, s.engine_logprobs, s.weight_versions, s.reward, s.advantage,
+               completion_mask=turns)
+    (row,) = pack_samples([make_sample(2, 2, seed=5), s], max_tokens_per_row=32, pad_id=PAD, pad_to=8)
+    assert row.sample_index == (1, 0) and row.cu_seqlens.tolist() == [0, 9, 13, 16]
+    assert s.num_loss_tokens == 4 and row.num_loss_tokens == 4 + 2  # and the other sample's two
+    assert row.loss_mask[:9].tolist() == [False, False] + list(turns) + [False]
+    assert row.targets[row.loss_mask][:4].tolist() == [t for t, m in zip(s.completion_ids, turns, strict=True) if m]
+    assert row.advantages[:9].tolist() == [0.0, 0.0] + [-1.5 if m else 0.0 for m in turns] + [0.0]
+    expected = torch.tensor(s.engine_logprobs, dtype=torch.float32)
+    assert torch.equal(row.engine_logprobs[2:8], expected)
+    assert row.loss_positions.tolist() == row.loss_mask.nonzero().squeeze(1).tolist()
+    assert not row.loss_mask[13:].any() and row.input_ids[0, 13:].tolist() == [PAD] * 3
 
 
 def test_to_moves_tensors_and_keeps_metadata():

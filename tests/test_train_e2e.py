@@ -75,6 +75,23 @@ def test_engine_and_trainer_agree_at_lr_zero(model_dir, tmp_path):
         assert r["optim/changed_frac"] == 0
 
 
+def test_the_heap_is_frozen_after_the_first_step_and_thawed_at_the_end(model_dir, tmp_path):
+    """From the second rollout on, the first step's survivors are out of the garbage collector's walks; after the
+    run nothing stays frozen (a sweep in one process keeps no earlier run's heap)."""
+    import gc
+
+    seen = []
+
+    def judge(prompts, completions, **_):
+        seen.append(gc.get_freeze_count())
+        return [float("w7" in c) for c in completions]
+
+    assert gc.get_freeze_count() == 0
+    train(run_cfg(model_dir, tmp_path / "run", "--max_steps=2"), Task("tiny", task().rows, [(judge, 1.0)]))
+    assert seen[0] == 0 and seen[-1] > 10_000  # the model, the tokenizer, the modules: well over 10k objects
+    assert gc.get_freeze_count() == 0
+
+
 def test_bad_inputs_have_clear_errors(model_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="does-not-exist"):
         train(run_cfg(str(tmp_path / "does-not-exist"), tmp_path / "x"), task())

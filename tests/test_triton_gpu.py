@@ -190,6 +190,49 @@ def test_packed_varlen_with_sinks_at_the_bf16_floor(k_dim, v_dim, window):
         assert gap <= 2 * floor + 1e-3, name
 
 
+@pytest.mark.parametrize("heads,kv_heads,k_dim,v_dim,window", [(16, 8, 128, 128, None), (16, 8, 128, 128, 32),
+                                                               (4, 4, 192, 128, None)])
+def test_packed_varlen_is_torch_varlen_attn_bit_for_bit(heads, kv_heads, k_dim, v_dim, window):
+    """unison's differentiable flash call (``attention_ops._Flash``) gives torch's ``varlen_attn`` bits: output and
+    the gradients of k and v (dq: within flash's own run-to-run spread), GQA, a sliding window and MLA widths
+    (padded to one width) included."""
+    from unison.engine.attention_ops import VARLEN_GQA_KW, _pad_last, torch_varlen_attn, varlen_attention
+
+    if torch_varlen_attn is None:
+        pytest.fail("this torch has no torch.nn.attention.varlen to compare with")
+    torch.manual_seed(2)
+    lengths = [100, 1, 257, 64, 576]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    t = sum(lengths)
+    base = [torch.randn(t, heads, k_dim, device="cuda"), torch.randn(t, kv_heads, k_dim, device="cuda"),
+            torch.randn(t, kv_heads, v_dim, device="cuda")]
+    probe = torch.randn(t, heads, v_dim, device="cuda", dtype=torch.bfloat16)
+    window_size = (-1, 0) if window is None else (window - 1, 0)
+
+    def run(ours):
+        leaves = [x.detach().clone().bfloat16().requires_grad_() for x in base]
+        q, k, v = leaves
+        if ours:
+            out = varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), k_dim**-0.5, window)
+        else:
+            width = max(k_dim, v_dim)
+            out = torch_varlen_attn(*(_pad_last(x, width) for x in (q, k, v)), cu, cu, max(lengths), max(lengths),
+                                    scale=k_dim**-0.5, window_size=window_size, **VARLEN_GQA_KW)[..., :v_dim]
+        (out * probe).sum().backward()
+        return [out] + [x.grad for x in leaves]
+
+    ours, torch_a, torch_b = run(True), run(False), run(False)
+    for name, a, b in zip(["out", "dk", "dv"], [ours[0], *ours[2:]], [torch_a[0], *torch_a[2:]], strict=True):
+        assert torch.equal(a, b), name
+    # Flash's backward adds each key block's share of dq with fp32 atomics, in whatever order they land: torch's
+    # own path differs from itself run to run by about a bf16 step. So dq is held to that, not to its bits.
+    gap, own = ((x.float() - torch_a[1].float()).abs().max().item() for x in (ours[1], torch_b[1]))
+    scale = torch_a[1].float().abs().max().item()
+    print(f"varlen {heads}/{kv_heads} {k_dim}/{v_dim} window {window}: dq against torch's {gap:.2e}, torch's "
+          f"against itself {own:.2e}, |dq| up to {scale:.2e}")
+    assert gap <= max(2 * own, 2**-7 * scale)
+
+
 def causal_attention_ref(q, k, v, scale, window, sinks):
     from unison.engine.attention import causal_attention
 

@@ -66,11 +66,37 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: to
             q, k, v, cu_q, cu_k, max_q, max_k, 0.0, window_size == (-1, 0), False, scale=scale,
             window_size_left=window_size[0], window_size_right=window_size[1])[0]
     elif sinks is None:
-        out = torch_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
-                                **VARLEN_GQA_KW)
+        out = _Flash.apply(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size)
     else:
         out = _FlashWithSinks.apply(q, k, v, sinks, cu_q, cu_k, max_q, max_k, scale, window_size)
     return out[..., :dv] if width != dv else out
+
+
+class _Flash(torch.autograd.Function):
+    """Flash varlen attention, differentiable: flash's forward and backward, the calls torch's ``varlen_attn``
+    makes (the same kernels and bits, ``tests/test_triton_gpu.py``), without its custom operator's dispatch,
+    log lines and rng-state allocation. That wrapping took ~0.25 ms of host time a layer per forward and backward
+    (cProfile of a 0.6B training step on the H200 host), and the first packed row's forward was host-bound."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size):
+        causal = window_size == (-1, 0)
+        out, lse, rng_state, _, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
+            window_size_left=window_size[0], window_size_right=window_size[1])
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng_state)
+        ctx.args = (max_q, max_k, causal, scale, window_size)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, cu_q, cu_k, rng_state = ctx.saved_tensors
+        max_q, max_k, causal, scale, window_size = ctx.args
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state,
+            torch.empty(0, device=q.device), scale=scale, window_size_left=window_size[0],
+            window_size_right=window_size[1])
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 class _FlashWithSinks(torch.autograd.Function):
