@@ -44,7 +44,7 @@ class Probe:
 
     def __init__(self):
         self.rollouts: list[dict] = []
-        self.trains: list[dict] = []  # per training step: the allocator's counts (allocator_counts), collections
+        self.trains: list[dict] = []  # per training step: time, allocator counts, collections, Triton compiles
         self.current: dict | None = None
         self.compiled: list[str] = []
         self._gc_start = 0.0
@@ -97,10 +97,11 @@ class Probe:
 
         def counted_train_step(*args, **kwargs):
             probe.current = {"gc_ms": {}}  # collections during the step land here
-            before = allocator_counts()
+            before, compiled, t = allocator_counts(), len(probe.compiled), time.perf_counter()
             out = train_step(*args, **kwargs)
             gcs = {k: (n, round(v, 1)) for k, (n, v) in sorted(probe.current["gc_ms"].items())}
-            probe.trains.append({**counts_since(before), "gc_ms": gcs})
+            probe.trains.append({"s": round(time.perf_counter() - t, 4), **counts_since(before), "gc_ms": gcs,
+                                 "compiled": probe.compiled[compiled:]})
             probe.current = None
             return out
         train_loop.train_step = counted_train_step
@@ -233,7 +234,7 @@ def main():
         print(f"         host ms {r['host_ms']}  gc ms {r['gc_ms']}  compiled {r['compiled']}  allocator "
               f"{r['allocator']}")
     print("train_s of every step:", [round(s["train_s"], 4) for s in run["every_step"]])
-    print("allocator counts of every training step:", probe.trains)
+    print("every training step (s, allocator counts, collections, compiles):", probe.trains)
     if trained:
         print("profiled training step:", json.dumps(trained))
     if args.json:
