@@ -31,7 +31,6 @@ import grpo_step  # noqa: E402
 import train_timeline  # noqa: E402
 
 import unison.train.loop as train_loop  # noqa: E402
-import unison.train.step as step_module  # noqa: E402
 from unison.engine.engine import Engine  # noqa: E402
 from unison.rollout.loop import RolloutLoop  # noqa: E402
 
@@ -152,24 +151,11 @@ def profile_train(call: int) -> dict:
         calls[0] += 1
         if calls[0] != call:
             return original(*args, **kwargs)
-        labels = {k: getattr(step_module, k) for k in ("policy_logprobs", "grpo_loss", "_optimizer_step")}
-        for (k, fn), label in zip(labels.items(), ("forward", "loss", "optimizer"), strict=True):
-            setattr(step_module, k, train_timeline.labelled(fn, label))
-        try:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
-                with torch.profiler.record_function("train_step"):
-                    out = original(*args, **kwargs)
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-        finally:
-            for k, fn in labels.items():
-                setattr(step_module, k, fn)
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "trace.json")
-            prof.export_chrome_trace(path)
-            with open(path) as f:
-                trace = json.load(f)
+
+        def marked_step():
+            with torch.profiler.record_function("train_step"):
+                return original(*args, **kwargs)
+        out, trace = train_timeline.profiled_trace(marked_step, torch.cuda.is_available())
         found.update(train_timeline.analyse(trace))
         outer = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("name") == "train_step"
                  and e.get("cat") == "user_annotation"]

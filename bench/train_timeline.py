@@ -19,6 +19,7 @@ import os
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from engine import SHAPES, commit
@@ -35,6 +36,28 @@ def labelled(fn, label: str):
         with torch.profiler.record_function(label):
             return fn(*args, **kwargs)
     return wrapper
+
+
+def profiled_trace(run: Callable[[], object], cuda: bool) -> tuple[object, dict]:
+    """``run()`` under torch.profiler, ``train_step``'s forwards, losses and optimizer step labelled ``forward``,
+    ``loss`` and ``optimizer`` (what ``analyse`` reads): its result and the chrome trace."""
+    originals = {k: getattr(step_module, k) for k in ("policy_logprobs", "grpo_loss", "_optimizer_step")}
+    for (k, fn), label in zip(originals.items(), ("forward", "loss", "optimizer"), strict=True):
+        setattr(step_module, k, labelled(fn, label))
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    try:
+        with torch.profiler.profile(activities=activities) as prof:
+            out = run()
+            if cuda:
+                torch.cuda.synchronize()
+    finally:
+        for k, fn in originals.items():
+            setattr(step_module, k, fn)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return out, json.load(f)
 
 
 def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -116,26 +139,10 @@ def main():
         synchronize()
         times.append(time.perf_counter() - t0)
     model.load_state_dict(start)
-    originals = {k: getattr(step_module, k) for k in ("policy_logprobs", "grpo_loss", "_optimizer_step")}
-    for (k, fn), label in zip(originals.items(), ("forward", "loss", "optimizer"), strict=True):
-        setattr(step_module, k, labelled(fn, label))
-    try:
-        activities = [torch.profiler.ProfilerActivity.CPU] + (
-            [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with torch.profiler.profile(activities=activities) as prof:
-            step()
-            synchronize()
-    finally:
-        for k, fn in originals.items():
-            setattr(step_module, k, fn)
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)
-        if args.trace:
-            with open(path, "rb") as f, gzip.open(args.trace, "wb") as g:
-                g.write(f.read())
+    _, trace = profiled_trace(step, device.type == "cuda")
+    if args.trace:
+        with gzip.open(args.trace, "wt") as g:
+            json.dump(trace, g)
     out = {"shape": args.shape, "commit": commit(), "rows": args.rows, "step_s": times, **analyse(trace)}
     print(json.dumps(out, indent=1))
     if args.json:

@@ -62,9 +62,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: to
         # No gradient wanted (the engine's prefill): flash's forward itself. torch's varlen_attn makes the same call
         # behind a custom operator's dispatch, a log line and an rng-state allocation: host time an eager prefill
         # step is short of (bench/results/h200/speed/prefill).
-        out = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, window_size == (-1, 0), False, scale=scale,
-            window_size_left=window_size[0], window_size_right=window_size[1])[0]
+        out = _flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size)[0]
     elif sinks is None:
         out = _Flash.apply(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size)
     else:
@@ -80,22 +78,15 @@ class _Flash(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size):
-        causal = window_size == (-1, 0)
-        out, lse, rng_state, _, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
-            window_size_left=window_size[0], window_size_right=window_size[1])
+        out, lse, rng_state = _flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng_state)
-        ctx.args = (max_q, max_k, causal, scale, window_size)
+        ctx.args = (max_q, max_k, scale, window_size)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse, cu_q, cu_k, rng_state = ctx.saved_tensors
-        max_q, max_k, causal, scale, window_size = ctx.args
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state,
-            torch.empty(0, device=q.device), scale=scale, window_size_left=window_size[0],
-            window_size_right=window_size[1])
+        dq, dk, dv = _flash_backward(grad, q, k, v, out, lse, cu_q, cu_k, rng_state, *ctx.args)
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -112,29 +103,39 @@ class _FlashWithSinks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, cu_q, cu_k, max_q, max_k, scale, window_size):
-        causal = window_size == (-1, 0)
-        out, lse, rng_state, _, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
-            window_size_left=window_size[0], window_size_right=window_size[1])
+        out, lse, rng_state = _flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size)
         lse = _lse_heads_first(lse, q)
         total = torch.logaddexp(lse, sinks.float()[:, None])  # (H, Tq)
         y = (out.float() * torch.exp(lse - total).T[:, :, None]).to(out.dtype)
         ctx.save_for_backward(q, k, v, y, total, sinks, cu_q, cu_k, rng_state)
-        ctx.args = (max_q, max_k, causal, scale, window_size)
+        ctx.args = (max_q, max_k, scale, window_size)
         return y
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, y, total, sinks, cu_q, cu_k, rng_state = ctx.saved_tensors
-        max_q, max_k, causal, scale, window_size = ctx.args
         grad = grad.contiguous()
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad, q, k, v, y, total, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state,
-            torch.empty(0, device=q.device), scale=scale, window_size_left=window_size[0],
-            window_size_right=window_size[1])
+        dq, dk, dv = _flash_backward(grad, q, k, v, y, total, cu_q, cu_k, rng_state, *ctx.args)
         row = (grad.float() * y.float()).sum(-1)  # (Tq, H)
         dsinks = -(row * torch.exp(sinks.float()[:, None] - total).T).sum(0)
         return dq, dk, dv, dsinks.to(sinks.dtype), None, None, None, None, None, None
+
+
+def _flash_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, window_size: tuple[int, int]):
+    """Flash's varlen forward: (out, log-sum-exp, rng state). Causal where the window is (-1, 0)."""
+    out, lse, rng_state, _, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, window_size == (-1, 0), False, scale=scale,
+        window_size_left=window_size[0], window_size_right=window_size[1])
+    return out, lse, rng_state
+
+
+def _flash_backward(grad, q, k, v, out, lse, cu_q, cu_k, rng_state, max_q: int, max_k: int, scale: float,
+                    window_size: tuple[int, int]):
+    """Flash's varlen backward given the forward's output and log-sum-exp: (dq, dk, dv)."""
+    return torch.ops.aten._flash_attention_backward(
+        grad.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, window_size == (-1, 0), rng_state,
+        torch.empty(0, device=q.device), scale=scale, window_size_left=window_size[0],
+        window_size_right=window_size[1])
 
 
 def _lse_heads_first(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
