@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import grpo_step  # noqa: E402
 import train_timeline  # noqa: E402
+from stack_sampler import StackSampler  # noqa: E402
 
 import unison.train.loop as train_loop  # noqa: E402
 from unison.engine.engine import Engine  # noqa: E402
@@ -46,6 +47,7 @@ class Probe:
         self.trains: list[dict] = []  # per training step: time, allocator counts, collections, Triton compiles
         self.current: dict | None = None
         self.compiled: list[str] = []
+        self.full_collections: list[dict] = []  # every generation-2 collection after the probe started
         self._gc_start = 0.0
         self._install()
 
@@ -86,6 +88,7 @@ class Probe:
             before, t = allocator_counts(), time.perf_counter()
             out = next_batch(loop, trainer_version)
             probe.current["total_s"] = time.perf_counter() - t
+            probe.current["span"] = (t, time.perf_counter())
             probe.current["allocator"] = counts_since(before)
             probe.rollouts.append(probe.current)
             probe.current = None
@@ -99,8 +102,10 @@ class Probe:
             before, compiled, t = allocator_counts(), len(probe.compiled), time.perf_counter()
             out = train_step(*args, **kwargs)
             gcs = {k: (n, round(v, 1)) for k, (n, v) in sorted(probe.current["gc_ms"].items())}
-            probe.trains.append({"s": round(time.perf_counter() - t, 4), **counts_since(before), "gc_ms": gcs,
-                                 "compiled": probe.compiled[compiled:]})
+            samples = args[2] if len(args) > 2 else kwargs["samples"]
+            probe.trains.append({"s": round(time.perf_counter() - t, 4), "tokens": sum(s.num_tokens for s in samples),
+                                 **counts_since(before), "gc_ms": gcs,
+                                 "compiled": probe.compiled[compiled:], "span": (t, time.perf_counter())})
             probe.current = None
             return out
         train_loop.train_step = counted_train_step
@@ -119,7 +124,14 @@ class Probe:
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._gc_start = time.perf_counter()
-        elif self.current is not None:
+        elif info["generation"] == 2:  # a full collection: how much it walked, and how much was frozen
+            self.full_collections.append({"ms": round((time.perf_counter() - self._gc_start) * 1e3, 1),
+                                          "collected": info["collected"], "frozen": gc.get_freeze_count(),
+                                          "tracked": len(gc.get_objects(generation=2)),
+                                          "in": f"rollout {len(self.rollouts) + 1}" if self.current is not None
+                                          and "steps" in self.current else f"train {len(self.trains) + 1}"
+                                          if self.current is not None else "between"})
+        if phase == "stop" and self.current is not None:
             key = f"gen{info['generation']}"
             calls, ms = self.current["gc_ms"].get(key, (0, 0.0))
             self.current["gc_ms"][key] = (calls + 1, ms + (time.perf_counter() - self._gc_start) * 1e3)
@@ -171,6 +183,15 @@ def profile_train(call: int) -> dict:
     return found
 
 
+def phase_of(t: float, probe: Probe) -> str:
+    """Which rollout or training step (1-based) perf_counter time ``t`` fell in."""
+    for kind, records in (("rollout", probe.rollouts), ("train", probe.trains)):
+        for i, r in enumerate(records, 1):
+            if r["span"][0] <= t <= r["span"][1]:
+                return f"{kind} {i}"
+    return "between"
+
+
 def _captured(engine: Engine) -> int:
     return engine.runner.num_captured if engine.runner is not None else 0
 
@@ -200,9 +221,12 @@ def main():
     p.add_argument("--unison-set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--profile-train", type=int, default=0, metavar="N",
                    help="profile the Nth training step (see the module's docstring)")
+    p.add_argument("--sample-stacks", type=float, default=0, metavar="MS",
+                   help="sample the main thread's stack every MS ms and list the longest stalls (stack_sampler.py)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     probe = Probe()
+    sampler = StackSampler(args.sample_stacks).start() if args.sample_stacks else None
     trained = profile_train(args.profile_train) if args.profile_train else {}
     with tempfile.TemporaryDirectory() as work:
         checkpoint = os.path.join(work, "checkpoint")
@@ -211,6 +235,11 @@ def main():
         prompts = grpo_step.prompt_texts(vocab, args.prompts)
         run = grpo_step.run_unison(checkpoint, prompts, args.new, args.steps, os.path.join(work, "run"),
                                    ["save_final=false", *args.unison_set])
+    stalls = []
+    if sampler is not None:
+        sampler.stop()
+        warm = probe.trains[0]["span"][1] if probe.trains else 0.0  # compiles and captures before: not stalls
+        stalls = [{"in": phase_of(e["t"], probe), **e} for e in sampler.episodes(after=warm)]
     rows = [summary(r) for r in probe.rollouts]
     print("rollout  total s  in steps s  between s  median step ms  compiled  slowest steps (index, ms, running, "
           "compiles)")
@@ -223,12 +252,16 @@ def main():
     print("every training step (s, allocator counts, collections, compiles):", probe.trains)
     if trained:
         print("profiled training step:", json.dumps(trained))
+    print("full collections:", probe.full_collections)
+    for e in stalls:
+        print(f"stall: {e['kind']} {e['ms']} ms in {e['in']}:", " <- ".join(e["stack"][:8]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                        "shape": args.shape, "overrides": args.unison_set,
                        "every_step": run["every_step"],
-                       "rollouts": rows, "train_allocator": probe.trains, "profiled_train_step": trained}, f,
+                       "rollouts": rows, "train_allocator": probe.trains, "profiled_train_step": trained,
+                       "stalls": stalls, "full_collections": probe.full_collections}, f,
                       indent=1)
 
 

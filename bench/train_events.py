@@ -7,7 +7,8 @@ out of work and waited on the host; where the GPU's is later, the host was ahead
 
 The run is ``rollout_steps.py``'s (bench/grpo_step.py's workload), whose options it takes. Printed per step as
 ``mark:host_ms/gpu_ms``; between a row's ``loss>`` and the next ``fwd<`` (or ``opt<``) the host launched that
-row's backward. CUDA only.
+row's backward. Where the loss is a sum over tokens, ``fwd`` includes the lm_head's gradient (``policy_loss``) and
+``loss`` only the metrics. CUDA only.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class Marks:
 
     def install(self) -> None:
         for attr, before, after in (("pack_samples", "pack<", "pack>"), ("policy_logprobs", "fwd<", "fwd>"),
-                                    ("grpo_loss", "loss<", "loss>"), ("_optimizer_step", "opt<", "opt>")):
+                                    ("policy_loss", "fwd<", "fwd>"), ("grpo_loss", "loss<", "loss>"),
+                                    ("_optimizer_step", "opt<", "opt>")):
             self.around(step_module, attr, before, after)
         train_step = train_loop.train_step
 

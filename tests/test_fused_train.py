@@ -166,6 +166,28 @@ def test_chunked_logprobs_with_kernels_equal_reference(transform):
     torch.testing.assert_close(grads[1], weight.grad, rtol=1e-5, atol=1e-5)
 
 
+
+def test_chunked_loss_with_kernels_is_the_recompute_bit_for_bit():
+    """The gradient in the forward through the Triton chunk kernels: the same bits as the kernels' logprobs, then the
+    loss, then their backward."""
+    from unison.train.logprobs import chunked_loss
+    from unison.train.loss import LossConfig, grpo_loss, token_loss
+
+    torch.manual_seed(5)
+    hidden = torch.randn(21, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (21,))
+    engine, advantages = -torch.rand(21) * 4, torch.randn(21)
+    logp, _ = chunked_logprobs(hidden, weight, targets, 0.7, 8, kernels=True)
+    grpo_loss(logp, engine, advantages, LossConfig(), 30)[0].backward()
+    want = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    loss, fused_logp, _ = chunked_loss(hidden, weight, targets, token_loss(engine, advantages, LossConfig(), 30), 0.7,
+                                       8, kernels=True)
+    loss.backward()
+    assert torch.equal(fused_logp, logp.detach())
+    assert torch.equal(hidden.grad, want[0]) and torch.equal(weight.grad, want[1]) and want[1].abs().max() > 0
+
 def _logprobs_and_grads(model, row, kernels):
     model.zero_grad(set_to_none=True)
     logp, entropy = policy_logprobs(model, row, temperature=0.7, chunk_size=6, with_entropy=True, kernels=kernels)

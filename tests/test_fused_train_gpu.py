@@ -134,6 +134,29 @@ def test_logprob_kernels_equal_pytorch_on_the_gpu():
         assert (ours - theirs).norm() <= 1e-3 * theirs.norm()
 
 
+
+def test_chunked_loss_is_the_recompute_bit_for_bit_on_the_gpu():
+    """Qwen3-0.6B's head: the gradient taken in the forward equals logprobs, loss, then the recomputing backward."""
+    from unison.train.logprobs import chunked_loss
+    from unison.train.loss import LossConfig, grpo_loss, token_loss
+
+    torch.manual_seed(3)
+    hidden = torch.randn(3000, 1024, device="cuda").bfloat16().requires_grad_(True)
+    weight = (torch.randn(151936, 1024, device="cuda") * 0.05).bfloat16().requires_grad_(True)
+    targets = torch.randint(0, 151936, (3000,), device="cuda")
+    with torch.no_grad():
+        logp, _ = chunked_logprobs(hidden, weight, targets, 0.9, 1024)
+    engine, advantages = logp + 0.1 * torch.randn_like(logp), torch.randn_like(logp)
+    logp, entropy = chunked_logprobs(hidden, weight, targets, 0.9, 1024, with_entropy=True)
+    grpo_loss(logp, engine, advantages, LossConfig(), 3000)[0].backward()
+    want = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    share = token_loss(engine, advantages, LossConfig(), 3000)
+    loss, fused_logp, fused_entropy = chunked_loss(hidden, weight, targets, share, 0.9, 1024, with_entropy=True)
+    loss.backward()
+    assert torch.equal(fused_logp, logp.detach()) and torch.equal(fused_entropy, entropy)
+    assert torch.equal(hidden.grad, want[0]) and torch.equal(weight.grad, want[1]) and want[1].abs().max() > 0
+
 def test_bf16_model_with_kernels_at_the_floor():
     """A bf16 Qwen3 (q_norm/k_norm, GQA) packed forward and backward, with and without the kernels, against the
     same weights in fp32: the kernels' logprobs and gradients are no further from fp32 than transformers' are."""

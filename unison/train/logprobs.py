@@ -2,7 +2,9 @@
 
 Only the M loss positions of a row go through the lm_head, and never more than ``chunk_size`` of them
 at a time: full [T, vocab] fp32 logits for a 16k-token row of a 152k-vocab model would take ~10 GB,
-a 1024-row chunk takes ~0.6 GB. The backward recomputes each chunk's logits rather than storing them.
+a 1024-row chunk takes ~0.6 GB. ``chunked_logprobs``' backward recomputes each chunk's logits rather than storing
+them; ``chunked_loss`` (``policy_loss``), given a loss that is a sum over tokens, takes each chunk's gradient in the
+forward, while its logits exist.
 
 The quantity is log softmax(logits / temperature) of the target token over the full vocabulary: the
 same processed logprob the engine reports when top_p = 1 and top_k = 0. The logits are the model's own, head
@@ -34,6 +36,29 @@ def policy_logprobs(model: torch.nn.Module, row: PackedRow, temperature: float =
     ``kernels`` (None: on the GPU) runs the forward's RMSNorm, RoPE, SwiGLU and the lm_head's reductions as
     unison's fused Triton kernels (``training_kernels``); False, as transformers' modules and PyTorch's operations.
     """
+    selected, head, targets, kernels = _head_inputs(model, row, kernels)
+    return chunked_logprobs(selected, head.weight, targets, temperature, chunk_size, with_entropy, head.transform,
+                            kernels)
+
+
+def policy_loss(model: torch.nn.Module, row: PackedRow, loss_share, temperature: float = 1.0,
+                chunk_size: int = 1024, with_entropy: bool = False, kernels: bool | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``policy_logprobs`` with a token-separable loss of them, its lm_head gradient taken in the forward.
+
+    ``loss_share(logprobs[a:b], a, b)`` is the loss of the row's loss positions a..b-1 (``unison.train.loss.
+    token_loss``). Returns (loss: () float32, differentiable; logprobs: (M,) float32, detached; entropy or None).
+    ``loss.backward()`` gives the parameters the gradients ``loss_share(policy_logprobs(...)[0], 0, M)`` would,
+    without computing the lm_head's logits a second time (``chunked_loss``).
+    """
+    selected, head, targets, kernels = _head_inputs(model, row, kernels)
+    return chunked_loss(selected, head.weight, targets, loss_share, temperature, chunk_size, with_entropy,
+                        head.transform, kernels)
+
+
+def _head_inputs(model: torch.nn.Module, row: PackedRow, kernels: bool | None):
+    """The decoder's forward over the row: (hidden at the loss positions (M, H), the lm_head, the targets there (M,),
+    whether the fused kernels run)."""
     if kernels is None:
         kernels = next(model.parameters()).is_cuda
     head = lm_head_of(model)
@@ -53,10 +78,7 @@ def policy_logprobs(model: torch.nn.Module, row: PackedRow, temperature: float =
             use_cache=False,
         ).last_hidden_state  # (1, T, H)
     selected = hidden[0].index_select(0, row.loss_positions)  # (M, H)
-    targets = row.targets.index_select(0, row.loss_positions)
-    return chunked_logprobs(selected, head.weight, targets, temperature, chunk_size, with_entropy, head.transform,
-                            kernels)
-
+    return selected, head, row.targets.index_select(0, row.loss_positions), kernels
 
 def training_kernels(model: torch.nn.Module, enabled: bool) -> AbstractContextManager:
     """``unison.train.fused.fused_training(model)`` if ``enabled`` (Triton imported only then), else nothing."""
@@ -89,17 +111,38 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     float32, entropy: (M,) float32 detached or None). Gradients flow to ``hidden`` and ``weight``; a
     weight tied to the input embedding accumulates both contributions in the one Parameter.
     """
+    kernels = _check(temperature, chunk_size, hidden, transform, kernels)
+    logp, entropy = _ChunkedLogprobs.apply(hidden, weight, targets, 1.0 / temperature, chunk_size,
+                                           with_entropy, transform, kernels)
+    return logp, (entropy if with_entropy else None)
+
+
+def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, loss_share,
+                 temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
+                 transform: HeadTransform = IDENTITY, kernels: bool | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The sum over chunks of ``loss_share(logprobs[a:b], a, b)``, the logprobs those of ``chunked_logprobs``, with
+    each chunk's gradient taken while its logits exist: the backward recomputes nothing (``_ChunkedLoss``).
+
+    ``loss_share`` must be separable: chunk a..b's share depends on logprobs[a:b] alone. Returns (loss: ()
+    float32, differentiable w.r.t. ``hidden`` and ``weight``; logprobs: (M,) float32, detached; entropy or None).
+    """
+    kernels = _check(temperature, chunk_size, hidden, transform, kernels)
+    loss, logp, entropy = _ChunkedLoss.apply(hidden, weight, targets, loss_share, 1.0 / temperature, chunk_size,
+                                             with_entropy, transform, kernels)
+    return loss, logp, (entropy if with_entropy else None)
+
+
+def _check(temperature: float, chunk_size: int, hidden: torch.Tensor, transform: HeadTransform,
+           kernels: bool | None) -> bool:
+    """Validates the arguments; returns whether the chunk reductions run as Triton kernels."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if kernels is None:
         kernels = hidden.is_cuda
-    kernels = kernels and transform.softcap is None  # a softcap's chain rule stays PyTorch's
-    logp, entropy = _ChunkedLogprobs.apply(hidden, weight, targets, 1.0 / temperature, chunk_size,
-                                           with_entropy, transform, kernels)
-    return logp, (entropy if with_entropy else None)
-
+    return kernels and transform.softcap is None  # a softcap's chain rule stays PyTorch's
 
 class _ChunkedLogprobs(torch.autograd.Function):
     """Matmul operands in the weight's dtype (bf16 on the GPU) with fp32 logits; log-sum-exp, softmax and
@@ -147,6 +190,63 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if need_w:
                 _accumulate_weight_grad(grad_w, dlogits.T, h)
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None, None
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    """``_ChunkedLogprobs`` and a separable loss of its logprobs, the gradient in the forward: each chunk's logits,
+    then its logprobs, their loss share and its gradient (autograd over the share: the very gradient the loss's own
+    backward would give each token), then the chunk's d logits, d hidden and d weight, and the logits freed. The
+    backward scales the two gradients by its upstream one (1 for ``loss.backward()``). One lm_head matmul a chunk
+    fewer than logprobs then a backward that recomputes them: a Qwen3-0.6B step of 36k tokens took 330 against
+    349 ms of GPU time on an H200 (bench/results/h200/speed/loss_in_forward).
+    The fp32 d weight lives from the forward to the backward, which comes right after it in a training step.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, loss_share, inv_temp, chunk_size, with_entropy, transform, kernels):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        m = hidden.shape[0]
+        logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for start in range(0, m, chunk_size):
+            end = min(start + chunk_size, m)
+            h = hidden[start:end]
+            z = _scaled_logits(h, weight, inv_temp, transform)
+            lse, logp[start:end], chunk_entropy = _chunk_stats(z, targets[start:end], with_entropy, kernels)
+            if with_entropy:
+                entropy[start:end] = chunk_entropy
+            with torch.enable_grad():
+                chunk_logp = logp[start:end].detach().requires_grad_(need_h or need_w)
+                share = loss_share(chunk_logp, start, end)
+            if share.requires_grad:
+                (g,) = torch.autograd.grad(share, chunk_logp)
+                dlogits = _chunk_grad(z, targets[start:end], lse, g, transform, inv_temp, weight.dtype, kernels)
+                del z
+                if need_h:
+                    grad_h[start:end] = dlogits @ weight
+                if need_w:
+                    _accumulate_weight_grad(grad_w, dlogits.T, h)
+            elif grad_h is not None:
+                grad_h[start:end] = 0
+            loss += share.detach()
+        ctx.grads, ctx.weight_dtype = (grad_h, grad_w), weight.dtype
+        ctx.mark_non_differentiable(logp, entropy)
+        return loss, logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
+        if ctx.grads is None:
+            raise RuntimeError("chunked_loss: a second backward through the same loss (its gradients were handed "
+                               "out, in place, by the first)")
+        (grad_h, grad_w), ctx.grads = ctx.grads, None
+        if grad_h is not None:
+            grad_h = grad_h * grad_loss
+        if grad_w is not None:
+            grad_w = grad_w.mul_(grad_loss).to(ctx.weight_dtype)
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 _MM_INTO_FP32 = any("dtype_out" in str(s) for s in torch._C._jit_get_schemas_for_operator("aten::addmm"))

@@ -122,6 +122,41 @@ def grpo_loss(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, advantages:
         # Made on the host and sent without a wait (on the device, repeat_interleave reads its size back).
         seq_ids = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens)).to(
             logprobs.device, non_blocking=True)
+    per_token, r, dropped, ref_kl = _token_terms(logprobs, engine_logprobs, advantages, cfg, old_logprobs,
+                                                 ref_logprobs, seq_ids, seq_lens)
+    loss = _normalised_sum(per_token, divisor, num_loss_tokens)
+    metrics = _metrics(logprobs.detach(), engine_logprobs, advantages, r, dropped, cfg, read_metrics)
+    if ref_kl is not None and logprobs.numel():
+        kl = ref_kl.detach().mean()
+        metrics["kl/ref_mean"] = kl.item() if read_metrics else kl
+    return loss, metrics
+
+
+def token_loss(engine_logprobs: torch.Tensor, advantages: torch.Tensor, cfg: LossConfig, num_loss_tokens: int, *,
+               divisor: torch.Tensor | float | None = None, old_logprobs: torch.Tensor | None = None,
+               ref_logprobs: torch.Tensor | None = None):
+    """``grpo_loss``'s loss as a function of any slice of the trainer's logprobs: ``f(logprobs[a:b], a, b)`` is the
+    slice's share of the loss (a 0-dim tensor, differentiable), and the shares of a partition sum to
+    ``grpo_loss``'s loss. Each token's gradient is the one ``grpo_loss``'s backward gives it, bit for bit, so the
+    lm_head can take the loss's gradient chunk by chunk in its forward (``unison.train.logprobs.policy_loss``).
+    None for 'gspo': its ratio is a sequence's mean, no token's loss is its own."""
+    if cfg.type == "gspo":
+        return None
+
+    def share(logprobs: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        cut = (lambda t: t[start:end] if isinstance(t, torch.Tensor) and t.ndim else t)
+        per_token = _token_terms(logprobs, cut(engine_logprobs), cut(advantages), cfg, cut(old_logprobs),
+                                 cut(ref_logprobs), None, None)[0]
+        return _normalised_sum(per_token, cut(divisor), num_loss_tokens)
+
+    return share
+
+
+def _token_terms(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, advantages: torch.Tensor, cfg: LossConfig,
+                 old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None, seq_ids: torch.Tensor | None,
+                 seq_lens: list[int] | None):
+    """Each token's loss before normalisation (differentiable w.r.t. ``logprobs``), the detached PPO ratio, the
+    tokens the IS correction dropped or truncated, and the k3 KL to the reference (None without beta)."""
     base = engine_logprobs if old_logprobs is None else old_logprobs
     log_ratio = _level((logprobs - base).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO), seq_ids, seq_lens)
     ratio = torch.exp(log_ratio)
@@ -150,12 +185,12 @@ def grpo_loss(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, advantages:
         ref_diff = ref_logprobs - logprobs
         ref_kl = torch.exp(ref_diff) - ref_diff - 1.0
         per_token = per_token + cfg.beta * ref_kl
-    loss = per_token.sum() / num_loss_tokens if divisor is None else (per_token / divisor).sum()
-    metrics = _metrics(logprobs.detach(), engine_logprobs, advantages, r, dropped, cfg, read_metrics)
-    if ref_kl is not None and logprobs.numel():
-        kl = ref_kl.detach().mean()
-        metrics["kl/ref_mean"] = kl.item() if read_metrics else kl
-    return loss, metrics
+    return per_token, r, dropped, ref_kl
+
+
+def _normalised_sum(per_token: torch.Tensor, divisor: torch.Tensor | float | None, num_loss_tokens: int
+                    ) -> torch.Tensor:
+    return per_token.sum() / num_loss_tokens if divisor is None else (per_token / divisor).sum()
 
 
 def _level(log_ratio: torch.Tensor, seq_ids: torch.Tensor | None, seq_lens: list[int] | None) -> torch.Tensor:

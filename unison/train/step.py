@@ -15,8 +15,8 @@ from ..dist.topology import Topology
 from ..lora import dropout_active
 from ..rollout.advantage import batch_scaled
 from ..rollout.sample import Sample
-from .logprobs import policy_logprobs, training_kernels
-from .loss import LossConfig, MetricAccumulator, grpo_loss, loss_divisor
+from .logprobs import policy_logprobs, policy_loss, training_kernels
+from .loss import LossConfig, MetricAccumulator, grpo_loss, loss_divisor, token_loss
 from .optimizer import MasterAdamW
 from .packing import pack_samples
 from .reference import ReferenceModel
@@ -81,13 +81,9 @@ def train_step(model: torch.nn.Module, optimizer: MasterAdamW, samples: list[Sam
         with checkpointed_layers(model, activation_checkpointing), local_forward(model, topology)(train=True), \
                 dropout_active(model), training_kernels(model, kernels):
             for i, row in enumerate(rows):
-                logprobs, entropy = policy_logprobs(model, row, temperature=temperature or 1.0,
-                                                    chunk_size=logprob_chunk, with_entropy=True, kernels=kernels)
-                at = row.loss_positions
-                loss, metrics = grpo_loss(logprobs, row.engine_logprobs.index_select(0, at),
-                                          row.advantages.index_select(0, at), loss_cfg, num_loss_tokens,
-                                          divisor=divisors[i], seq_lens=seq_lens[i], old_logprobs=olds[i],
-                                          ref_logprobs=refs[i], read_metrics=False)
+                loss, logprobs, entropy, metrics = _row_loss(
+                    model, row, loss_cfg, num_loss_tokens, temperature or 1.0, logprob_chunk, kernels,
+                    divisor=divisors[i], seq_lens=seq_lens[i], old_logprobs=olds[i], ref_logprobs=refs[i])
                 if iteration == 0 and num_iterations > 1:
                     olds[i] = logprobs.detach()
                 loss.backward()
@@ -106,6 +102,27 @@ def train_step(model: torch.nn.Module, optimizer: MasterAdamW, samples: list[Sam
     if num_iterations > 1:
         out["train/iterations"] = float(num_iterations)
     return out
+
+
+def _row_loss(model: torch.nn.Module, row, loss_cfg: LossConfig, num_loss_tokens: int, temperature: float,
+              logprob_chunk: int, kernels: bool, *, seq_lens: list[int], **loss_args):
+    """One packed row's (loss, logprobs, entropy, metrics). A loss that is a sum over tokens takes the lm_head's
+    gradient in its forward, chunk by chunk (``policy_loss``); gspo's ratio is a sequence's mean, so its backward
+    recomputes the logits."""
+    at = row.loss_positions
+    engine_logprobs, advantages = row.engine_logprobs.index_select(0, at), row.advantages.index_select(0, at)
+    share = token_loss(engine_logprobs, advantages, loss_cfg, num_loss_tokens, **loss_args)
+    if share is not None:
+        loss, logprobs, entropy = policy_loss(model, row, share, temperature=temperature, chunk_size=logprob_chunk,
+                                              with_entropy=True, kernels=kernels)
+        _, metrics = grpo_loss(logprobs, engine_logprobs, advantages, loss_cfg, num_loss_tokens, seq_lens=seq_lens,
+                               read_metrics=False, **loss_args)
+    else:
+        logprobs, entropy = policy_logprobs(model, row, temperature=temperature, chunk_size=logprob_chunk,
+                                            with_entropy=True, kernels=kernels)
+        loss, metrics = grpo_loss(logprobs, engine_logprobs, advantages, loss_cfg, num_loss_tokens,
+                                  seq_lens=seq_lens, read_metrics=False, **loss_args)
+    return loss, logprobs, entropy, metrics
 
 
 def _optimizer_step(model: torch.nn.Module, optimizer: MasterAdamW, dp_group, trained_any: bool):

@@ -94,7 +94,12 @@ def write_back(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
 # One launch for every tensor of a step: each program takes CHUNK elements of one tensor, found through a table.
 # Per tensor, the single-tensor kernels above cost the host two launches, a mask allocation and a count; over the
 # ~300 tensors of a Qwen3 model that kept the GPU idle ~57 of a 69 ms optimizer step (bench/results/h200/speed/host).
-_CHUNK_BLOCKS = 4
+# Blocks of 1024 elements, one a program, 4 warps, every load issued before the arithmetic: 6.1 ms for Qwen3-0.6B's
+# parameters on the H200 (3.1 TB/s at 32 bytes a parameter), against 9.3 ms with blocks of 2048, four a program,
+# 8 warps and the parameter's old bits loaded after the update (bench/adamw_kernel.py; the same bits either way).
+_MULTI_BLOCK = 1024
+_CHUNK_BLOCKS = 1
+_WARPS = 4
 _COLUMNS = 7  # a tensor's row of the table: master, exp_avg, exp_avg_sq, param bits, mask offset, numel, first
 
 
@@ -105,7 +110,10 @@ def _multi_tensor_block(grad, master, exp_avg, exp_avg_sq, param, changed, offs,
     time the kernel took 19 against 12.9 ms at 0.6B on the H200, likely its loads running an element at a time."""
     mask = offs < n if MASKED else None
     other = 0.0 if MASKED else None
+    # Every load first, the parameter's old bits included: loaded after the update's arithmetic they waited a second
+    # DRAM round trip per block.
     g = tl.load(grad + offs, mask=mask, other=other).to(tl.float32) * grad_scale
+    old = tl.load(param + offs, mask=mask, other=0 if MASKED else None)
     p, m, v = _adamw(g, tl.load(master + offs, mask=mask, other=other), tl.load(exp_avg + offs, mask=mask, other=other),
                      tl.load(exp_avg_sq + offs, mask=mask, other=other), decay, one_minus_beta1, beta2,
                      one_minus_beta2, step_size, bc2_sqrt, eps)
@@ -113,7 +121,6 @@ def _multi_tensor_block(grad, master, exp_avg, exp_avg_sq, param, changed, offs,
     tl.store(exp_avg + offs, m, mask=mask)
     tl.store(exp_avg_sq + offs, v, mask=mask)
     new = _bf16_bits(p)
-    old = tl.load(param + offs, mask=mask, other=0 if MASKED else None)
     # Every thread's read of the old bits before any thread's write: the load and the store may map an element to
     # different threads (on the H200 a mask said "unchanged" where the bits had changed, without this barrier).
     tl.debug_barrier()
@@ -168,7 +175,7 @@ class MultiTensorStep:
                  params: list[torch.Tensor]):
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
-        chunk = _BLOCK * _CHUNK_BLOCKS
+        chunk = _MULTI_BLOCK * _CHUNK_BLOCKS
         programs = [triton.cdiv(n, chunk) for n in self.numels]
         if not aligned(*masters, *exp_avgs, *exp_avg_sqs, *params):
             raise ValueError("MultiTensorStep: every tensor must start at a multiple of 16 bytes")
@@ -202,7 +209,7 @@ class MultiTensorStep:
         _multi_tensor_kernel[(self.programs,)](
             self.table, addresses, self.owner, changed.view(torch.uint8), scalars["grad_scale"], scalars["decay"],
             1.0 - beta1, scalars["beta2"], 1.0 - scalars["beta2"], scalars["step_size"], scalars["bc2_sqrt"],
-            scalars["eps"], GRAD_BF16=grads[0].dtype == torch.bfloat16, BLOCK=_BLOCK, CHUNK_BLOCKS=_CHUNK_BLOCKS,
-            COLUMNS=_COLUMNS, num_warps=8, enable_fp_fusion=False)
+            scalars["eps"], GRAD_BF16=grads[0].dtype == torch.bfloat16, BLOCK=_MULTI_BLOCK, CHUNK_BLOCKS=_CHUNK_BLOCKS,
+            COLUMNS=_COLUMNS, num_warps=_WARPS, enable_fp_fusion=False)
         return [changed[a:a + n].view(shape) for a, n, shape in zip(self.offsets, self.numels, self.shapes,
                                                                      strict=True)]
