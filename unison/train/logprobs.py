@@ -80,6 +80,7 @@ def _head_inputs(model: torch.nn.Module, row: PackedRow, kernels: bool | None):
     selected = hidden[0].index_select(0, row.loss_positions)  # (M, H)
     return selected, head, row.targets.index_select(0, row.loss_positions), kernels
 
+
 def training_kernels(model: torch.nn.Module, enabled: bool) -> AbstractContextManager:
     """``unison.train.fused.fused_training(model)`` if ``enabled`` (Triton imported only then), else nothing."""
     if not enabled:
@@ -143,6 +144,7 @@ def _check(temperature: float, chunk_size: int, hidden: torch.Tensor, transform:
     if kernels is None:
         kernels = hidden.is_cuda
     return kernels and transform.softcap is None  # a softcap's chain rule stays PyTorch's
+
 
 class _ChunkedLogprobs(torch.autograd.Function):
     """Matmul operands in the weight's dtype (bf16 on the GPU) with fp32 logits; log-sum-exp, softmax and

@@ -77,7 +77,8 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s_step=f"{metrics['time/step_s']:.1f}",
                             gen_tok_s=f"{metrics['rollout/tokens_per_s']:.0f}")
         if step == run.start:
-            frozen = _freeze_heap()
+            _freeze_heap()
+            frozen = True
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
             _save(run, os.path.join(cfg.output_dir, f"checkpoint-{step}"), step)
             if cfg.save_total_limit and topology.is_main:
@@ -88,17 +89,16 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
     return metrics
 
 
-def _freeze_heap() -> bool:
+def _freeze_heap() -> None:
     """After the first step (model, data set, compiled kernels, captured graphs: the run's long-lived objects),
-    collect once and move what survives out of the garbage collector's reach (``gc.freeze``); returns True.
-    Python's full collections walk every tracked object: ~0.4M of them, 240-320 ms each on the H200 host, one in a
-    0.6B training step about every sixth step (``bench/rollout_steps.py``); frozen, that heap is not walked again.
-    Frozen even where something in the process froze a few objects already (the H200 host's Python had 375 frozen
-    before the first step: skipping the freeze there left every full collection walking the whole heap); the thaw
-    at the end then thaws those too, which only puts them back in the collector's oldest generation."""
+    collect once and move what survives out of the garbage collector's reach (``gc.freeze``). Python's full
+    collections walk every tracked object: ~0.4M of them, 211-322 ms each on the H200 host, about one step in five
+    of a 0.6B run (``bench/rollout_steps.py``); frozen, that heap is not walked again (13 ms). Frozen even where
+    something in the process froze a few objects before (the H200 host's Python had 375: the loop once left such a
+    process alone, and so never froze there); the thaw at the end thaws those too, which only puts them back in the
+    collector's oldest generation."""
     gc.collect()
     gc.freeze()
-    return True
 
 
 def _timing_and_memory(run: Run, t0: float, t1: float, t2: float, train_tokens: float) -> dict[str, float]:
