@@ -187,10 +187,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             g = grad_logp[start:end].float()
             dlogits = _chunk_grad(z, targets[start:end], lse[start:end], g, ctx.transform, ctx.inv_temp,
                                   weight.dtype, ctx.kernels)  # (c, V)
-            if need_h:
-                grad_h[start:end] = dlogits @ weight
-            if need_w:
-                _accumulate_weight_grad(grad_w, dlogits.T, h)
+            _add_chunk_grads(dlogits, h, weight, grad_h, grad_w, start)
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None, None
 
 
@@ -211,7 +208,7 @@ class _ChunkedLoss(torch.autograd.Function):
         logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for start in range(0, m, chunk_size):
             end = min(start + chunk_size, m)
@@ -223,16 +220,11 @@ class _ChunkedLoss(torch.autograd.Function):
             with torch.enable_grad():
                 chunk_logp = logp[start:end].detach().requires_grad_(need_h or need_w)
                 share = loss_share(chunk_logp, start, end)
-            if share.requires_grad:
+            if share.requires_grad:  # (a share that ignores its logprobs adds nothing: grad_h starts at 0)
                 (g,) = torch.autograd.grad(share, chunk_logp)
                 dlogits = _chunk_grad(z, targets[start:end], lse, g, transform, inv_temp, weight.dtype, kernels)
                 del z
-                if need_h:
-                    grad_h[start:end] = dlogits @ weight
-                if need_w:
-                    _accumulate_weight_grad(grad_w, dlogits.T, h)
-            elif grad_h is not None:
-                grad_h[start:end] = 0
+                _add_chunk_grads(dlogits, h, weight, grad_h, grad_w, start)
             loss += share.detach()
         ctx.grads, ctx.weight_dtype = (grad_h, grad_w), weight.dtype
         ctx.mark_non_differentiable(logp, entropy)
@@ -249,6 +241,16 @@ class _ChunkedLoss(torch.autograd.Function):
         if grad_w is not None:
             grad_w = grad_w.mul_(grad_loss).to(ctx.weight_dtype)
         return grad_h, grad_w, None, None, None, None, None, None, None
+
+
+def _add_chunk_grads(dlogits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, grad_h: torch.Tensor | None,
+                     grad_w: torch.Tensor | None, start: int) -> None:
+    """A chunk's d hidden into rows start.. of ``grad_h``, its d weight added to the fp32 ``grad_w`` (either None:
+    not needed). dlogits: (c, V) d loss / d raw logits of the chunk whose hidden states are h: (c, H)."""
+    if grad_h is not None:
+        grad_h[start:start + dlogits.shape[0]] = dlogits @ weight
+    if grad_w is not None:
+        _accumulate_weight_grad(grad_w, dlogits.T, h)
 
 
 _MM_INTO_FP32 = any("dtype_out" in str(s) for s in torch._C._jit_get_schemas_for_operator("aten::addmm"))
