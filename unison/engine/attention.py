@@ -25,7 +25,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from . import mla
+from . import cudnn_attention, mla
 from .attention_ops import causal_mask, dense_attention, varlen_attention, varlen_supported
 
 ATTN_NAME = "unison"
@@ -100,9 +100,14 @@ def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     """Causal attention within each segment of a packed row.
 
     q: (T, H, Dk); k: (T, KVH, Dk); v: (T, KVH, Dv); cu_seqlens: (S+1,) int32 with cu_seqlens[-1] == T;
-    sinks: (H,) or None. Returns (T, H, Dv). Flash varlen where it can run the layer, else one segment at a
-    time (the CPU, fp32, softcapping: O(T_segment^2) memory for the softcapped layers on the GPU).
+    sinks: (H,) or None. Returns (T, H, Dv). cuDNN's fused attention inside ``cudnn_attention.packed_rows()``
+    where it takes the layer, else flash varlen where it can run the layer, else one segment at a time (the CPU,
+    fp32, softcapping: O(T_segment^2) memory for the softcapped layers on the GPU).
     """
+    if cudnn_attention.runs(q, k, v, window, sinks, softcap):
+        out = cudnn_attention.causal(q, k, v, cu_seqlens, max_len, scale)
+        if out is not None:
+            return out
     if varlen_supported(q, k, v, softcap):
         return varlen_attention(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale, window, sinks)
     out = q.new_empty(*q.shape[:-1], v.shape[-1])

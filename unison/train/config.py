@@ -36,8 +36,10 @@ class StepConfig:
     """Tokens per chunk of the lm_head in the policy logprobs: [chunk, vocab] is the largest logits block."""
     fused_kernels: bool = True
     """On the GPU, the training forward's RMSNorm, RoPE and SwiGLU and the lm_head's softmax reductions run as
-    unison's Triton kernels, forward and backward (unison.train.fused), the same function in the same precision;
-    false: transformers' modules and PyTorch's operations (the optimizer's AdamW kernels stay on)."""
+    unison's Triton kernels, forward and backward (unison.train.fused), the same function in the same precision, and
+    the packed rows' attention as cuDNN's fused kernels where its frontend is installed (unison[gpu];
+    unison.engine.cudnn_attention); false: transformers' modules, PyTorch's operations and flash attention (the
+    optimizer's AdamW kernels stay on)."""
     num_iterations: int = 1
     """Optimizer updates per batch (TRL's; mu in the GRPO paper). The trainer's logprobs before the first are the
     later ones' PPO denominator. Weight versions count updates: a sample one batch old is num_iterations versions

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..engine import cudnn_attention
 from ..engine.attention import ATTN_NAME, NO_MASK
 from ..engine.lm_head import decoder_of
 from .boundaries import keep_samples_apart
@@ -85,7 +86,8 @@ def check_packed_attention(model: torch.nn.Module) -> None:
 
     Installs unison's sample boundaries for hybrid layers (``unison.train.boundaries``), then runs a row of three
     samples twice, the second time with every token of one sample replaced (the middle one, then the first): the
-    other samples' hidden states must come out bit-identical (``torch.equal``). Runs in the model's current mode.
+    other samples' hidden states must come out bit-identical (``torch.equal``). Runs in the model's current mode,
+    through flash and, where it is installed, cuDNN's attention (``unison.engine.cudnn_attention``) on the GPU.
     """
     impl = model.config._attn_implementation
     if impl != ATTN_NAME:
@@ -94,6 +96,9 @@ def check_packed_attention(model: torch.nn.Module) -> None:
     keep_samples_apart(model)
     with experts_per_token(model):
         _check_isolation(model)
+        if next(model.parameters()).is_cuda and cudnn_attention.frontend() is not None:
+            with cudnn_attention.packed_rows():  # the fused training kernels' attention (step.fused_kernels)
+                _check_isolation(model)
 
 
 def _check_isolation(model: torch.nn.Module) -> None:

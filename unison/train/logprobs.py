@@ -13,11 +13,13 @@ transform included (Gemma2's softcap, Granite's logits_scaling, ...: ``unison.en
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from unison.engine.attention import NO_MASK
+from unison.engine.cudnn_attention import packed_rows
 from unison.engine.lm_head import IDENTITY, HeadTransform, decoder_of, lm_head_fp32, lm_head_of
 from unison.train.boundaries import keep_samples_apart
 from unison.train.packing import PackedRow
@@ -81,12 +83,17 @@ def _head_inputs(model: torch.nn.Module, row: PackedRow, kernels: bool | None):
     return selected, head, row.targets.index_select(0, row.loss_positions), kernels
 
 
-def training_kernels(model: torch.nn.Module, enabled: bool) -> AbstractContextManager:
-    """``unison.train.fused.fused_training(model)`` if ``enabled`` (Triton imported only then), else nothing."""
+@contextmanager
+def training_kernels(model: torch.nn.Module, enabled: bool) -> Iterator[bool]:
+    """``unison.train.fused.fused_training(model)`` and cuDNN's attention for the packed rows
+    (``unison.engine.cudnn_attention.packed_rows``) if ``enabled`` (Triton imported only then), else nothing.
+    Yields ``enabled``."""
     if not enabled:
-        return nullcontext(False)
+        yield False
+        return
     from unison.train.fused import fused_training
-    return fused_training(model)
+    with fused_training(model), packed_rows():
+        yield True
 
 
 def image_inputs(model: torch.nn.Module, decoder: torch.nn.Module, row: PackedRow) -> dict:
