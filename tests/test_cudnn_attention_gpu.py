@@ -12,8 +12,8 @@ from unison.engine import cudnn_attention as ca
 from unison.engine.attention import varlen_causal
 from unison.engine.attention_ops import varlen_attention
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-pytest.importorskip("cudnn", reason="cuDNN's frontend (pip install 'unison[gpu]')")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.skipif(ca.frontend() is None, reason="needs cuDNN's frontend (pip install 'unison[gpu]')")]
 
 
 def packed(lengths, heads, kv_heads, width, dtype, seed=0):
