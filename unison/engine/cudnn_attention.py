@@ -100,7 +100,7 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.
     wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     shape = (q.device.index, q.dtype, q.shape[1], k.shape[1], q.shape[-1], float(scale), row.sequences, row.longest)
     keys = [("fwd", *shape)] + ([("bwd", *shape, row.tokens, deterministic)] if wants_grad else [])
-    if any(key in _refused for key in keys) or not all(_graph(key) for key in keys):
+    if not all(_graph(key) for key in keys):
         return None
     q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
     if wants_grad:
@@ -187,6 +187,8 @@ def _graph(key: tuple) -> bool:
     """Builds the key's graph unless held; False (and said once) where cuDNN refuses it."""
     if key in _graphs:
         return True
+    if key in _refused:
+        return False
     try:
         with torch.cuda.device(key[1]):
             _graphs[key] = _build(key)
