@@ -15,10 +15,13 @@
 #                                     # bench/grpo_step.py with TRL in the same run (SHAPES, default 0.6B)
 #   bash bench/speed_gpu.sh timeline  # where the time goes: bench/train_timeline.py (0.6B), bench/rollout_steps.py
 #                                     # (0.6B), bench/step_timeline.py (0.6B at 256)
-# Results under $OUT/speed/<TAG> (TAG defaults to "run").
+#   bash bench/speed_gpu.sh host      # the training row's launches and host time (bench/train_launches.py at the 0.6B
+#                                     # width and chunk), then train_profile at 0.6B over row lengths (ROWS)
+# Results under $OUT/speed/<TAG> (TAG defaults to "run"). BASE=build/base runs that tree's unison instead (an A/B:
+# `rm -rf build/base && mkdir -p build/base && git archive <commit> unison | tar -x -C build/base`, carry build).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=$PWD:/tmp/site
+export PYTHONPATH=${BASE:+$PWD/$BASE:}$PWD:/tmp/site
 out=${OUT:-/tmp/out}/speed/${TAG:-run}; mkdir -p "$out"
 quiet() { grep -v "^\[transformers\|Loading weights\|Writing" | tail -"${1:-40}"; }
 for mode in "${@:-profile}"; do
@@ -81,6 +84,11 @@ for mode in "${@:-profile}"; do
        python3 rollout_steps.py --shape qwen3-0.6b --steps 5 --json "$out/rollout_steps_0.6b.json" 2>&1 | quiet 30
        python3 step_timeline.py --shape qwen3-0.6b --concurrency 256 --json "$out/step_timeline_0.6b_256.json" 2>&1 \
          | quiet 30) ;;
+    host)
+      python3 bench/train_launches.py --device cuda --width 1024 --vocab 151936 --chunk 1024 --prompt 64 \
+        --completion 512 --json "$out/train_launches.json" 2>&1 | grep -A12 '"forward"'
+      (cd bench && python3 train_profile.py --shape qwen3-0.6b --rows ${ROWS:-16384 20480 24576 40960} --kernels on \
+        --json "$out/train_profile_0.6b_rows.json" 2>&1 | quiet 8) ;;
     tests)
       timeout "${LIMIT:-300}" python3 -m pytest -q -x -s -p no:cacheprovider ${TESTS:-tests/test_fused_train_gpu.py \
         tests/test_triton_gpu.py tests/test_engine_gpu.py tests/test_fused_layer_gpu.py} 2>&1 | tee "$out/tests.log" \

@@ -167,26 +167,39 @@ def test_chunked_logprobs_with_kernels_equal_reference(transform):
 
 
 
-def test_chunked_loss_with_kernels_is_the_recompute_bit_for_bit():
-    """The gradient in the forward through the Triton chunk kernels: the same bits as the kernels' logprobs, then the
-    loss, then their backward."""
+@pytest.mark.parametrize("later", [False, True], ids=["first", "old+ref"])
+@pytest.mark.parametrize("loss_type,is_mode", [(t, m) for t in ("dapo", "grpo", "dr_grpo", "bnpo", "cispo")
+                                               for m in ("mask", "truncate")])
+def test_chunked_loss_with_kernels_equals_the_recompute(loss_type, is_mode, later):
+    """The gradient in the forward with each token's d loss / d logp taken inside the Triton backward kernel
+    (``triton_logprobs._token_grad``): the logprobs bit for bit, the loss and both gradients as the kernels'
+    logprobs, then ``grpo_loss``, then its backward give them, to fp32 rounding; for every token-separable loss,
+    both IS modes, later iterations' fixed weight and the reference's KL, and log-ratios past the clamp."""
+    from test_chunked_loss import CHUNK, _divisor, _inputs
+
     from unison.train.logprobs import chunked_loss
     from unison.train.loss import LossConfig, grpo_loss, token_loss
 
-    torch.manual_seed(5)
-    hidden = torch.randn(21, 16, requires_grad=True)
-    weight = torch.randn(50, 16, requires_grad=True)
-    targets = torch.randint(0, 50, (21,))
-    engine, advantages = -torch.rand(21) * 4, torch.randn(21)
-    logp, _ = chunked_logprobs(hidden, weight, targets, 0.7, 8, kernels=True)
-    grpo_loss(logp, engine, advantages, LossConfig(), 30)[0].backward()
+    cfg = LossConfig(type=loss_type, is_mode=is_mode, is_max=1.5, eps_high=5.0 if loss_type == "cispo" else 0.28,
+                     beta=0.05 if later else 0.0)
+    hidden, weight, targets, extra = _inputs(torch.float32)
+    extra["engine"][:2] += torch.tensor([30.0, -30.0])  # log-ratios clamped at -20 and 20: no gradient through them
+    args = dict(divisor=_divisor(loss_type), old_logprobs=extra["old"] if later else None,
+                ref_logprobs=extra["ref"] if later else None)
+    logp, _ = chunked_logprobs(hidden, weight, targets, 0.7, CHUNK, kernels=True)
+    want_loss = grpo_loss(logp, extra["engine"], extra["advantages"], cfg, 100, **args)[0]
+    want_loss.backward()
     want = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
-    loss, fused_logp, _ = chunked_loss(hidden, weight, targets, token_loss(engine, advantages, LossConfig(), 30), 0.7,
-                                       8, kernels=True)
+    share = token_loss(extra["engine"], extra["advantages"], cfg, 100, **args)
+    loss, fused_logp, _ = chunked_loss(hidden, weight, targets, share, 0.7, CHUNK, kernels=True)
     loss.backward()
     assert torch.equal(fused_logp, logp.detach())
-    assert torch.equal(hidden.grad, want[0]) and torch.equal(weight.grad, want[1]) and want[1].abs().max() > 0
+    torch.testing.assert_close(loss.detach(), want_loss.detach(), rtol=1e-5, atol=1e-7)
+    for got, exact in zip((hidden.grad, weight.grad), want, strict=True):
+        torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-6 * exact.abs().max().item())
+    assert want[1].abs().max() > 1e-4
+
 
 def _logprobs_and_grads(model, row, kernels):
     model.zero_grad(set_to_none=True)
@@ -342,3 +355,55 @@ def test_one_launch_tables_stay_few_when_the_stepped_set_changes():
         group = [(n, states[n], t, torch.zeros(4, dtype=torch.bfloat16)) for n, t in tensors.items() if n != f"w{drop}"]
         assert store._multi_step(group) is store._multi_step(group)  # the same set: the same table
         assert len(store._multi) <= _MULTI_CACHE
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
+def test_residual_adds_in_the_norms_change_no_bit(build, monkeypatch):
+    """Each layer's two residual adds inside the norms after them (the forward's sum and norm one kernel, the
+    backward's sum of the residual's two gradients inside the norm's backward kernel): in fp32 the same logprobs and
+    every parameter's gradient, bit for bit, as the kernels without them; two fused adds a layer."""
+    from conftest import count_calls
+
+    model = build(vocab=128)
+    row = packed_row(model.config.vocab_size)
+    with fused.fused_training(model, adds=False):  # the inner block (policy_logprobs') switches nothing more
+        logp, entropy, grads = _logprobs_and_grads(model, row, kernels=True)
+    calls = count_calls(monkeypatch, fused, ["add_rms_norm"])
+    fused_logp, fused_entropy, fused_grads = _logprobs_and_grads(model, row, kernels=True)
+    assert calls["add_rms_norm"] == 2 * model.config.num_hidden_layers
+    assert torch.equal(fused_logp, logp) and torch.equal(fused_entropy, entropy)
+    for name, grad in grads.items():
+        assert torch.equal(fused_grads[name], grad), name
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_add_rms_norm_backward_sums_both_gradients():
+    """add_rms_norm against the add then the norm, forward and backward: the same bits in fp32; in bf16 within a
+    rounding (the interpreter truncates the sum to bf16 where torch rounds it, and the weight's gradient sums over
+    rows); and with either output's gradient missing."""
+    g = torch.Generator().manual_seed(3)
+    x, residual = torch.randn(2, 9, 64, generator=g), torch.randn(2, 9, 64, generator=g)
+    weight = torch.randn(64, generator=g)
+    up = [torch.randn(2, 9, 64, generator=g) for _ in range(2)]
+
+    def reference(x, r, w):
+        total = x + r
+        return total, fused.rms_norm(total, w, 1e-6)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        args = [t.to(dtype) for t in (x, residual, weight)]
+        upstream = [u.to(dtype) for u in up]
+        want, want_grads = _grads(reference, *args, upstream=upstream)
+        got, got_grads = _grads(lambda x, r, w: fused.add_rms_norm(x, r, w, 1e-6), *args, upstream=upstream)
+        for a, b in zip(got + got_grads, want + want_grads, strict=True):
+            if dtype == torch.float32:
+                assert torch.equal(a, b)
+            else:
+                assert (a.float() - b.float()).norm() <= 2**-7 * b.float().norm()
+    for used in (0, 1):  # the sum alone, the norm alone
+        a = [t.detach().clone().requires_grad_(True) for t in (x, residual, weight)]
+        fused.add_rms_norm(*a, 1e-6)[used].mul(up[used]).sum().backward()
+        b = [t.detach().clone().requires_grad_(True) for t in (x, residual, weight)]
+        reference(*b)[used].mul(up[used]).sum().backward()
+        assert torch.equal(a[0].grad, b[0].grad) and torch.equal(a[1].grad, b[1].grad)
+        assert (a[2].grad is None) == (b[2].grad is None)

@@ -135,8 +135,10 @@ def test_logprob_kernels_equal_pytorch_on_the_gpu():
 
 
 
-def test_chunked_loss_is_the_recompute_bit_for_bit_on_the_gpu():
-    """Qwen3-0.6B's head: the gradient taken in the forward equals logprobs, loss, then the recomputing backward."""
+def test_chunked_loss_is_the_recompute_on_the_gpu():
+    """Qwen3-0.6B's head: the gradient taken in the forward (each token's d loss / d logp inside the backward kernel)
+    against logprobs, loss, then the recomputing backward: the logprobs bit for bit, the bf16 gradients within a
+    rounding (d logp differs in fp32's last bits, and a bf16 d logit can round the other way)."""
     from unison.train.logprobs import chunked_loss
     from unison.train.loss import LossConfig, grpo_loss, token_loss
 
@@ -155,7 +157,10 @@ def test_chunked_loss_is_the_recompute_bit_for_bit_on_the_gpu():
     loss, fused_logp, fused_entropy = chunked_loss(hidden, weight, targets, share, 0.9, 1024, with_entropy=True)
     loss.backward()
     assert torch.equal(fused_logp, logp.detach()) and torch.equal(fused_entropy, entropy)
-    assert torch.equal(hidden.grad, want[0]) and torch.equal(weight.grad, want[1]) and want[1].abs().max() > 0
+    for got, exact in zip((hidden.grad, weight.grad), want, strict=True):
+        assert (got.float() - exact.float()).norm() <= 1e-3 * exact.float().norm()
+        assert (got.float() - exact.float()).abs().max() <= 2**-7 * exact.float().abs().max()
+    assert want[1].abs().max() > 0
 
 def test_bf16_model_with_kernels_at_the_floor():
     """A bf16 Qwen3 (q_norm/k_norm, GQA) packed forward and backward, with and without the kernels, against the

@@ -199,23 +199,23 @@ class _Chain:
         return normed
 
 
-def _layer_forward(layer: torch.nn.Module, chain: _Chain, next_norm: torch.nn.Module | None):
+def _layer_forward(layer: torch.nn.Module, chain: _Chain, next_norm: torch.nn.Module | None, add_norm, call):
     original = layer.forward
     post = layer.post_attention_layernorm
 
     def forward(hidden_states, *args, **kwargs):
-        if args:
-            chain.take(hidden_states, None)
+        if args or (layer.training and getattr(layer, "gradient_checkpointing", False)):
+            chain.take(hidden_states, None)  # (a recomputed forward must save what its first run saved)
             return original(hidden_states, *args, **kwargs)
         normed = chain.take(hidden_states, layer.input_layernorm)
         if normed is None:
             normed = layer.input_layernorm(hidden_states)
-        attended, _ = partials(layer.self_attn, hidden_states=normed, **kwargs)
-        residual, normed = add_rms_norm(attended, hidden_states, post.weight, post.variance_epsilon)
+        attended, _ = call(layer.self_attn, hidden_states=normed, **kwargs)
+        residual, normed = add_norm(attended, hidden_states, post.weight, post.variance_epsilon)
         if next_norm is None:
             return residual + layer.mlp(normed)
-        out = partials(layer.mlp, normed)
-        total, normed = add_rms_norm(out, residual, next_norm.weight, next_norm.variance_epsilon)
+        out = call(layer.mlp, normed)
+        total, normed = add_norm(out, residual, next_norm.weight, next_norm.variance_epsilon)
         chain.put(total, next_norm, normed)
         return total
     return forward
@@ -283,21 +283,31 @@ def fused_layers(decoder: torch.nn.Module):
             if form is not None and _attention_fusable(attn, form[0]):
                 swap_forward(stack, attn, _attention_forward(attn, *form))
                 switched += 1
-        fused = [llama_layer(type(layer)) and fusable(layer.input_layernorm)
-                 and fusable(layer.post_attention_layernorm) for layer in layers]
-        final = getattr(decoder, "norm", None)
-        final = final if isinstance(final, torch.nn.Module) and fusable(final) else None
-        chain = _Chain()
-        stack.callback(chain.take, None, None)  # drop what a failed forward left behind
-        for i, layer in enumerate(layers):
-            if fused[i]:
-                after = layers[i + 1].input_layernorm if i + 1 < len(layers) and fused[i + 1] else \
-                    final if i + 1 == len(layers) else None
-                swap_forward(stack, layer, _layer_forward(layer, chain, after))
-                switched += 1
-        if final is not None and layers and fused[-1]:
-            swap_forward(stack, final, _norm_forward(final, chain))
-        yield switched
+        yield switched + fused_adds(stack, decoder)
+
+
+def fused_adds(stack: ExitStack, decoder: torch.nn.Module, add_norm=None, call=None) -> int:
+    """Swaps, until ``stack`` closes, the forward of every Llama-form decoder layer of ``decoder`` whose norms the
+    kernel computes for one that adds each residual in the norm after it: ``add_norm(x, residual, weight, eps)``
+    gives (sum, norm of the sum), ``call(module, ...)`` runs the attention and the MLP (the engine's: split-K shares
+    left unsummed; the trainer passes its differentiable ``unison.train.fused.add_rms_norm`` and a plain call).
+    A layer under activation checkpointing runs its own forward. Returns the number of layers switched."""
+    add_norm, call = add_norm or add_rms_norm, call or partials
+    layers = list(getattr(decoder, "layers", []))
+    fused = [llama_layer(type(layer)) and fusable(layer.input_layernorm)
+             and fusable(layer.post_attention_layernorm) for layer in layers]
+    final = getattr(decoder, "norm", None)
+    final = final if isinstance(final, torch.nn.Module) and fusable(final) else None
+    chain = _Chain()
+    stack.callback(chain.take, None, None)  # drop what a failed forward left behind
+    for i, layer in enumerate(layers):
+        if fused[i]:
+            after = layers[i + 1].input_layernorm if i + 1 < len(layers) and fused[i + 1] else \
+                final if i + 1 == len(layers) else None
+            swap_forward(stack, layer, _layer_forward(layer, chain, after, add_norm, call))
+    if final is not None and layers and fused[-1]:
+        swap_forward(stack, final, _norm_forward(final, chain))
+    return sum(fused)
 
 
 def _attention_fusable(attn: torch.nn.Module, qk_norm: bool) -> bool:

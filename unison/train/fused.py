@@ -30,10 +30,13 @@ _ACTIVE = "_unison_fused_training"
 
 # Row and element counts change with every packed row: Triton would compile a variant for each divisibility of them.
 @triton.jit(do_not_specialize=["n_rows", "rows_per_program"])
-def _rms_norm_backward_kernel(DY, X, W, DX, DW, n_rows, rows_per_program, stride_dy, stride_x, stride_dx, eps,
-                              N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, WEIGHT_GRAD: tl.constexpr):
+def _rms_norm_backward_kernel(DY, X, W, DX, DW, DS, n_rows, rows_per_program, stride_dy, stride_x, stride_dx,
+                              stride_ds, eps, N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                              WEIGHT_GRAD: tl.constexpr, ADD: tl.constexpr):
     """Rows [pid * rows_per_program, ...), ROWS at a time (rows_per_program a multiple of ROWS): dx of
-    y = w * (x * r).to(dtype), r = rsqrt(mean(x^2) + eps), and this program's partial sum of dw into DW[pid]."""
+    y = w * (x * r).to(dtype), r = rsqrt(mean(x^2) + eps), and this program's partial sum of dw into DW[pid]. With
+    ``ADD``, dx rounded to DX's dtype plus DS (the gradient x's other consumer gave it), rounded again: autograd's
+    sum of the two, in the same kernel (``add_rms_norm``)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)[None, :]
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
@@ -48,8 +51,11 @@ def _rms_norm_backward_kernel(DY, X, W, DX, DW, n_rows, rows_per_program, stride
         if WEIGHT_GRAD:  # the forward multiplied w by the normalised value rounded to x's dtype
             dw += dy * (x * r).to(X.dtype.element_ty).to(tl.float32)
         dn = dy * w
-        dx = r * dn - x * (r * r * r) * (tl.sum(dn * x, 1, keep_dims=True) / N)
-        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        dx = (r * dn - x * (r * r * r) * (tl.sum(dn * x, 1, keep_dims=True) / N)).to(DX.dtype.element_ty)
+        if ADD:
+            ds = tl.load(DS + row * stride_ds + cols, mask=mask, other=0.0)
+            dx = (dx.to(tl.float32) + ds.to(tl.float32)).to(DX.dtype.element_ty)
+        tl.store(DX + row * stride_dx + cols, dx, mask=mask)
     if WEIGHT_GRAD:
         flat = tl.arange(0, BLOCK)
         tl.store(DW + pid * N + flat, tl.sum(dw, 0), mask=flat < N)
@@ -92,21 +98,60 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        n = x.shape[-1]
-        rows, grads = x.reshape(-1, n).contiguous(), dy.reshape(-1, n).contiguous()
-        dx = torch.empty_like(rows)
-        per = fused_norm.rows_per_program(n)  # as many rows at a time as the forward
-        programs = max(1, min(-(-rows.shape[0] // per), 8 * _multiprocessors(x.device)))
-        per_program = -(-rows.shape[0] // (programs * per)) * per
-        programs = -(-rows.shape[0] // per_program)
-        weight_grad = ctx.needs_input_grad[1]
-        dw = torch.empty(programs if weight_grad else 1, n, dtype=torch.float32, device=x.device)
-        block = triton.next_power_of_2(n)
-        _rms_norm_backward_kernel[(programs,)](grads, rows, weight, dx, dw, rows.shape[0], per_program,
-                                               grads.stride(0), rows.stride(0), dx.stride(0), ctx.eps, N=n,
-                                               BLOCK=block, ROWS=per, WEIGHT_GRAD=weight_grad,
-                                               num_warps=4 if block <= 2048 else 8)
-        return dx.view(x.shape), (_sum_parts(dw, weight.dtype) if weight_grad else None), None
+        return (*_norm_backward(x, weight, ctx.eps, dy, None, ctx.needs_input_grad[1]), None)
+
+
+def _norm_backward(x: torch.Tensor, weight: torch.Tensor, eps: float, dy: torch.Tensor | None,
+                   ds: torch.Tensor | None, weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dx, dweight or None) of ``rms_norm(x, weight, eps)`` given its output's gradient ``dy`` (None: zero), with
+    ``ds`` (x's shape, or None) added to dx as autograd adds the gradients of a tensor's two consumers."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n).contiguous()
+    grads = dy.reshape(-1, n).contiguous() if dy is not None else torch.zeros_like(rows)
+    add = ds is not None
+    sums = ds.reshape(-1, n).contiguous() if add else rows
+    dx = torch.empty_like(rows)
+    per = fused_norm.rows_per_program(n)  # as many rows at a time as the forward
+    programs = max(1, min(-(-rows.shape[0] // per), 8 * _multiprocessors(x.device)))
+    per_program = -(-rows.shape[0] // (programs * per)) * per
+    programs = -(-rows.shape[0] // per_program)
+    dw = torch.empty(programs if weight_grad else 1, n, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(n)
+    _rms_norm_backward_kernel[(programs,)](grads, rows, weight, dx, dw, sums, rows.shape[0], per_program,
+                                           grads.stride(0), rows.stride(0), dx.stride(0), sums.stride(0), eps, N=n,
+                                           BLOCK=block, ROWS=per, WEIGHT_GRAD=weight_grad, ADD=add,
+                                           num_warps=4 if block <= 2048 else 8)
+    return dx.view(x.shape), (_sum_parts(dw, weight.dtype) if weight_grad else None)
+
+
+class _AddRMSNorm(torch.autograd.Function):
+    """(s, rms_norm(s)) for s = x + residual: the decoder layer's residual add and the norm after it, one kernel each
+    way (``fused_norm.add_rms_norm`` forward). s's two consumers' gradients (the next residual add's and the norm's
+    own backward) are summed inside the norm's backward kernel, and x and the residual both receive that sum, as
+    autograd's add, norm and accumulation give them, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps):
+        total, normed = fused_norm.add_rms_norm(x, residual, weight, eps)
+        ctx.save_for_backward(total, weight)
+        ctx.eps = eps
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not a tensor of zeros to add
+        return total, normed
+
+    @staticmethod
+    def backward(ctx, d_total, d_normed):
+        total, weight = ctx.saved_tensors
+        if d_normed is None:
+            return d_total, d_total, None, None
+        dx, dw = _norm_backward(total, weight, ctx.eps, d_normed, d_total, ctx.needs_input_grad[2])
+        return dx, dx, dw, None
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_norm.add_rms_norm`` (x and residual plain tensors of one shape and dtype), differentiable w.r.t. x,
+    residual and weight."""
+    return _AddRMSNorm.apply(x, residual, weight, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -192,12 +237,15 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def fused_training(model: torch.nn.Module):
-    """Within the block, ``model``'s known RMSNorms, RoPE and SwiGLU MLPs run as the differentiable kernels above, and
-    the q/k norms and RoPE of attentions that have q/k norms as one (``unison.train.fused_qk``). Yields True."""
+def fused_training(model: torch.nn.Module, adds: bool = True):
+    """Within the block, ``model``'s known RMSNorms, RoPE and SwiGLU MLPs run as the differentiable kernels above, the
+    q/k norms and RoPE of attentions that have q/k norms as one (``unison.train.fused_qk``), and (``adds``) each
+    Llama-form layer's residual adds in the norm after them (``add_rms_norm``, ``unison.engine.fused_layer.
+    fused_adds``). Yields True."""
     if getattr(model, _ACTIVE, False):
         yield True
         return
+    from ..engine.fused_layer import fused_adds
     from .fused_qk import training_attentions
 
     modules = list(model.modules())  # one walk for the swaps (the block is entered for every packed row)
@@ -210,9 +258,25 @@ def fused_training(model: torch.nn.Module):
             own = mlp.__dict__.get("forward")
             mlp.forward = _mlp_forward(mlp)
             stack.callback(_restore, mlp, own)
+        decoder = _decoder(model) if adds else None
+        if decoder is not None:  # inside the norms' swap: the final norm's own forward is then the kernel
+            fused_adds(stack, decoder, add_norm=add_rms_norm, call=_call)
         setattr(model, _ACTIVE, True)
         stack.callback(delattr, model, _ACTIVE)
         yield True
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module | None:
+    """``model``'s decoder stack, or None for a module that is no causal LM (its norms and MLPs are still fused)."""
+    from ..engine.lm_head import decoder_of
+    try:
+        return decoder_of(model)
+    except ValueError:
+        return None
+
+
+def _call(module: torch.nn.Module, *args, **kwargs):
+    return module(*args, **kwargs)
 
 
 def _mlp_forward(mlp: torch.nn.Module):

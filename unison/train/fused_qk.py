@@ -51,12 +51,13 @@ def _forward_kernel(Q, K, QW, KW, Cos, Sin, QO, KO, n_tokens, q_heads, k_heads, 
 
 
 @triton.jit(do_not_specialize=["n_tokens", "tokens_per_program"])
-def _backward_kernel(DQ, DK, Q, K, QW, KW, Cos, Sin, DQX, DKX, DWQ, DWK, n_tokens, tokens_per_program, q_heads,
+def _backward_kernel(DQ, DK, Q, K, QW, KW, Cos, Sin, DQX, DKX, DW, n_tokens, tokens_per_program, q_heads,
                      k_heads, stride_q, stride_k, stride_c, eps_q, eps_k, HALF: tl.constexpr, BLOCK: tl.constexpr,
                      HEADS: tl.constexpr):
     """Tokens [pid * tokens_per_program, ...), HEADS of their heads (group program_id(1)): dx of rope(norm(x)) given
     its output's gradient (RoPE's transpose, then RMSNorm's backward, in fp32), and this program's partial sums of
-    the two weights' gradients (row pid * groups + group of DWQ and DWK)."""
+    the two weights' gradients (row pid * groups + group of DW: the q norm's, then the k norm's, side by side, so
+    that one launch sums both down the rows)."""
     pid = tl.program_id(0)
     group = tl.program_id(1)
     head = (group * HEADS + tl.arange(0, HEADS))[:, None]
@@ -94,9 +95,9 @@ def _backward_kernel(DQ, DK, Q, K, QW, KW, Cos, Sin, DQX, DKX, DWQ, DWK, n_token
         tl.store(dqx_at + d, dx.to(DQX.dtype.element_ty), mask=qm)
         tl.store(dkx_at + d, dx.to(DKX.dtype.element_ty), mask=km)
     cols = tl.arange(0, BLOCK)
-    part = (pid * tl.num_programs(1) + group) * (2 * HALF) + cols
-    tl.store(DWQ + part, tl.sum(tl.where(is_q, dw, 0.0), 0), mask=cols < 2 * HALF)
-    tl.store(DWK + part, tl.sum(tl.where(is_q, 0.0, dw), 0), mask=cols < 2 * HALF)
+    part = (pid * tl.num_programs(1) + group) * (4 * HALF) + cols
+    tl.store(DW + part, tl.sum(tl.where(is_q, dw, 0.0), 0), mask=cols < 2 * HALF)
+    tl.store(DW + 2 * HALF + part, tl.sum(tl.where(is_q, 0.0, dw), 0), mask=cols < 2 * HALF)
 
 
 class _QKNormRope(torch.autograd.Function):
@@ -128,14 +129,13 @@ class _QKNormRope(torch.autograd.Function):
         per_program = -(-tokens // programs)
         programs = -(-tokens // per_program)
         dq_x, dk_x = torch.empty_like(q), torch.empty_like(k)
-        dwq = torch.empty(programs * groups, dim, dtype=torch.float32, device=q.device)
-        dwk = torch.empty_like(dwq)
+        parts = torch.empty(programs * groups, 2 * dim, dtype=torch.float32, device=q.device)  # [q's | k's]
         _backward_kernel[(programs, groups)](
-            dq, dk, q, k, q_weight, k_weight, cos, sin, dq_x, dk_x, dwq, dwk, tokens, per_program, heads, kv_heads,
+            dq, dk, q, k, q_weight, k_weight, cos, sin, dq_x, dk_x, parts, tokens, per_program, heads, kv_heads,
             q.stride(0), k.stride(0), cos.stride(0), *ctx.eps, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim),
             HEADS=per, num_warps=4 if per * dim > 512 else 1)
-        return (dq_x, dk_x, _sum_parts(dwq, q_weight.dtype), _sum_parts(dwk, k_weight.dtype), None, None, None,
-                None)
+        dw = _sum_parts(parts, q_weight.dtype)  # both weights' gradients, one launch (each column summed alone)
+        return dq_x, dk_x, dw[:dim], dw[dim:], None, None, None, None
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm: torch.nn.Module, k_norm: torch.nn.Module,

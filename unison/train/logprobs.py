@@ -22,6 +22,7 @@ from unison.engine.attention import NO_MASK
 from unison.engine.cudnn_attention import packed_rows
 from unison.engine.lm_head import IDENTITY, HeadTransform, decoder_of, lm_head_fp32, lm_head_of
 from unison.train.boundaries import keep_samples_apart
+from unison.train.loss import TokenLoss, TokenTerms
 from unison.train.packing import PackedRow
 from unison.vision import model as vlm
 from unison.vision.inputs import Segment, language_inputs
@@ -206,6 +207,9 @@ class _ChunkedLoss(torch.autograd.Function):
     fewer than logprobs then a backward that recomputes them: a Qwen3-0.6B step of 36k tokens took 330 against
     349 ms of GPU time on an H200 (bench/results/h200/speed/loss_in_forward).
     The fp32 d weight lives from the forward to the backward, which comes right after it in a training step.
+    With the Triton kernels and a ``unison.train.loss.TokenLoss`` (GRPO's losses but gspo), the chunk's d logits
+    kernel takes each token's d loss / d logp itself, in closed form, and the loss is its share over the whole row
+    once (``_loss_chunks``): the gradient then agrees with autograd's to fp32 rounding rather than bit for bit.
     """
 
     @staticmethod
@@ -214,25 +218,15 @@ class _ChunkedLoss(torch.autograd.Function):
         m = hidden.shape[0]
         logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        for start in range(0, m, chunk_size):
-            end = min(start + chunk_size, m)
-            h = hidden[start:end]
-            z = _scaled_logits(h, weight, inv_temp, transform)
-            lse, logp[start:end], chunk_entropy = _chunk_stats(z, targets[start:end], with_entropy, kernels)
-            if with_entropy:
-                entropy[start:end] = chunk_entropy
-            with torch.enable_grad():
-                chunk_logp = logp[start:end].detach().requires_grad_(need_h or need_w)
-                share = loss_share(chunk_logp, start, end)
-            if share.requires_grad:  # (a share that ignores its logprobs adds nothing: grad_h starts at 0)
-                (g,) = torch.autograd.grad(share, chunk_logp)
-                dlogits = _chunk_grad(z, targets[start:end], lse, g, transform, inv_temp, weight.dtype, kernels)
-                del z
-                _add_chunk_grads(dlogits, h, weight, grad_h, grad_w, start)
-            loss += share.detach()
+        out = logp, (entropy if with_entropy else None), grad_h, grad_w
+        if kernels and isinstance(loss_share, TokenLoss):  # each token's gradient inside the d logits kernel
+            _loss_chunks(hidden, weight, targets, loss_share.terms(), inv_temp, chunk_size, transform, *out)
+            with torch.no_grad():
+                loss = loss_share(logp, 0, m)
+        else:
+            loss = _share_chunks(hidden, weight, targets, loss_share, inv_temp, chunk_size, transform, kernels, *out)
         ctx.grads, ctx.weight_dtype = (grad_h, grad_w), weight.dtype
         ctx.mark_non_differentiable(logp, entropy)
         return loss, logp, entropy
@@ -250,12 +244,68 @@ class _ChunkedLoss(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None, None
 
 
+def _share_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, loss_share, inv_temp: float,
+                  chunk_size: int, transform: HeadTransform, kernels: bool, logp: torch.Tensor,
+                  entropy: torch.Tensor | None, grad_h: torch.Tensor | None, grad_w: torch.Tensor | None
+                  ) -> torch.Tensor:
+    """``_ChunkedLoss``'s chunks with autograd's gradient of each chunk's loss share: its logits, its logprobs (into
+    ``logp`` and ``entropy``), its share and that share's gradient, then d logits, d hidden and d weight. Returns the
+    loss, the shares' sum."""
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_size):
+        end = min(start + chunk_size, hidden.shape[0])
+        h = hidden[start:end]
+        z = _scaled_logits(h, weight, inv_temp, transform)
+        lse, logp[start:end], chunk_entropy = _chunk_stats(z, targets[start:end], entropy is not None, kernels)
+        if entropy is not None:
+            entropy[start:end] = chunk_entropy
+        with torch.enable_grad():
+            chunk_logp = logp[start:end].detach().requires_grad_(grad_h is not None or grad_w is not None)
+            share = loss_share(chunk_logp, start, end)
+        if share.requires_grad:  # (a share that ignores its logprobs adds nothing: grad_h starts at 0)
+            (g,) = torch.autograd.grad(share, chunk_logp)
+            dlogits = _chunk_grad(z, targets[start:end], lse, g, transform, inv_temp, weight.dtype, kernels)
+            del z
+            _add_chunk_grads(dlogits, h, weight, grad_h, grad_w, start)
+        loss += share.detach()
+    return loss
+
+
+def _loss_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, terms: TokenTerms,
+                 inv_temp: float, chunk_size: int, transform: HeadTransform, logp: torch.Tensor,
+                 entropy: torch.Tensor | None, grad_h: torch.Tensor | None, grad_w: torch.Tensor | None) -> None:
+    """``_ChunkedLoss``'s chunks through the Triton kernels with the loss's gradient in closed form: a chunk's logits,
+    one kernel for its logprobs (written into ``logp`` and ``entropy``), one for its d logits with each token's
+    d loss / d logp taken inside it from ``terms``, then d hidden and d weight: five launches a chunk, where the
+    share and autograd's gradient of it took ~45 more (bench/train_launches.py)."""
+    from unison.train import triton_logprobs
+
+    if grad_h is None and grad_w is None:  # nothing trains through the head: the logprobs alone
+        terms = None
+    for start in range(0, hidden.shape[0], chunk_size):
+        end = min(start + chunk_size, hidden.shape[0])
+        h = hidden[start:end]
+        z = _scaled_logits(h, weight, inv_temp, transform)
+        lse, chunk_logp, _ = triton_logprobs.chunk_forward(z, targets[start:end], entropy is not None,
+                                                           logp=logp[start:end],
+                                                           entropy=entropy[start:end] if entropy is not None else None)
+        if terms is not None:
+            dlogits = triton_logprobs.chunk_loss_backward(z, targets[start:end], lse, chunk_logp, terms, start,
+                                                          transform.scale * inv_temp, weight.dtype)
+            del z
+            _add_chunk_grads(dlogits, h, weight, grad_h, grad_w, start)
+
+
 def _add_chunk_grads(dlogits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, grad_h: torch.Tensor | None,
                      grad_w: torch.Tensor | None, start: int) -> None:
     """A chunk's d hidden into rows start.. of ``grad_h``, its d weight added to the fp32 ``grad_w`` (either None:
     not needed). dlogits: (c, V) d loss / d raw logits of the chunk whose hidden states are h: (c, H)."""
     if grad_h is not None:
-        grad_h[start:start + dlogits.shape[0]] = dlogits @ weight
+        rows = grad_h[start:start + dlogits.shape[0]]
+        if rows.is_contiguous() and rows.dtype == dlogits.dtype:  # written in place, no copy of the product
+            torch.mm(dlogits, weight, out=rows)
+        else:
+            rows.copy_(dlogits @ weight)
     if grad_w is not None:
         _accumulate_weight_grad(grad_w, dlogits.T, h)
 

@@ -134,22 +134,68 @@ def grpo_loss(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, advantages:
 
 def token_loss(engine_logprobs: torch.Tensor, advantages: torch.Tensor, cfg: LossConfig, num_loss_tokens: int, *,
                divisor: torch.Tensor | float | None = None, old_logprobs: torch.Tensor | None = None,
-               ref_logprobs: torch.Tensor | None = None):
-    """``grpo_loss``'s loss as a function of any slice of the trainer's logprobs: ``f(logprobs[a:b], a, b)`` is the
-    slice's share of the loss (a 0-dim tensor, differentiable), and the shares of a partition sum to
+               ref_logprobs: torch.Tensor | None = None) -> TokenLoss | None:
+    """``grpo_loss``'s loss as a function of any slice of the trainer's logprobs (``TokenLoss``): ``f(logprobs[a:b],
+    a, b)`` is the slice's share of the loss (a 0-dim tensor, differentiable), and the shares of a partition sum to
     ``grpo_loss``'s loss. Each token's gradient is the one ``grpo_loss``'s backward gives it, bit for bit, so the
-    lm_head can take the loss's gradient chunk by chunk in its forward (``unison.train.logprobs.policy_loss``).
+    lm_head can take the loss's gradient chunk by chunk in its forward (``unison.train.logprobs.policy_loss``); its
+    Triton kernels take it in closed form from ``TokenLoss.terms``, to fp32 rounding.
     None for 'gspo': its ratio is a sequence's mean, no token's loss is its own."""
     if cfg.type == "gspo":
         return None
+    return TokenLoss(engine_logprobs, advantages, cfg, num_loss_tokens, divisor, old_logprobs, ref_logprobs)
 
-    def share(logprobs: torch.Tensor, start: int, end: int) -> torch.Tensor:
+
+@dataclass
+class TokenLoss:
+    """One micro-batch's token-separable loss (``token_loss``). Besides its shares it gives the per-token terms that
+    do not depend on the trainer's logprobs (``terms``), for a kernel that takes each token's gradient in closed form
+    (``unison.train.triton_logprobs``)."""
+
+    engine_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    cfg: LossConfig
+    num_loss_tokens: int
+    divisor: torch.Tensor | float | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+
+    def __call__(self, logprobs: torch.Tensor, start: int, end: int) -> torch.Tensor:
         cut = (lambda t: t[start:end] if isinstance(t, torch.Tensor) and t.ndim else t)
-        per_token = _token_terms(logprobs, cut(engine_logprobs), cut(advantages), cfg, cut(old_logprobs),
-                                 cut(ref_logprobs), None, None)[0]
-        return _normalised_sum(per_token, cut(divisor), num_loss_tokens)
+        per_token = _token_terms(logprobs, cut(self.engine_logprobs), cut(self.advantages), self.cfg,
+                                 cut(self.old_logprobs), cut(self.ref_logprobs), None, None)[0]
+        return _normalised_sum(per_token, cut(self.divisor), self.num_loss_tokens)
 
-    return share
+    def terms(self) -> TokenTerms:
+        """The terms of every token (``TokenTerms``), as the loss's backward sees them."""
+        base = self.engine_logprobs if self.old_logprobs is None else self.old_logprobs
+        m = base.shape[0]
+        if self.divisor is None:  # the backward of sum() / N hands every token 1 / N, of sum(x / d) 1 / d
+            scale = (torch.ones((), device=base.device) / self.num_loss_tokens).expand(m)
+        elif isinstance(self.divisor, torch.Tensor) and self.divisor.ndim:
+            scale = 1.0 / self.divisor
+        else:
+            scale = (torch.ones((), device=base.device) / float(self.divisor)).expand(m)
+        fixed = None
+        if self.old_logprobs is not None:
+            fixed = _fixed_is_weight(self.old_logprobs, self.engine_logprobs, self.cfg, None, None)[0]
+        flat = (lambda t: t.float().contiguous() if t is not None else None)  # a kernel reads them as such
+        return TokenTerms(flat(base), flat(self.advantages), scale.float(), flat(fixed),
+                          flat(self.ref_logprobs) if self.cfg.beta > 0 else None, self.cfg)
+
+
+@dataclass(frozen=True)
+class TokenTerms:
+    """Per token: the PPO ratio's denominator (the engine's logprobs or the old ones), the advantage, what the
+    normalisation scales its gradient by (1 / N or 1 / its divisor), the fixed IS weight of later iterations (None:
+    against the engine, from the ratio) and the reference's logprobs (None without beta); each (M,) float32."""
+
+    base: torch.Tensor
+    advantages: torch.Tensor
+    scale: torch.Tensor
+    fixed_weight: torch.Tensor | None
+    ref: torch.Tensor | None
+    cfg: LossConfig
 
 
 def _token_terms(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, advantages: torch.Tensor, cfg: LossConfig,
@@ -174,11 +220,7 @@ def _token_terms(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, advantag
                 is_weight = (cfg.is_max / r).clamp(max=1.0)
             dropped = is_weight < 1.0
         else:  # the fixed correction from the trainer's old policy to the engine that sampled
-            r_is = torch.exp(_level((old_logprobs - engine_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO),
-                                    seq_ids, seq_lens))
-            kept = (r_is >= cfg.is_min) & (r_is <= cfg.is_max)
-            is_weight = r_is * kept if cfg.is_mode == "mask" else r_is.clamp(max=cfg.is_max)
-            dropped = ~kept if cfg.is_mode == "mask" else r_is > cfg.is_max
+            is_weight, dropped = _fixed_is_weight(old_logprobs, engine_logprobs, cfg, seq_ids, seq_lens)
     per_token = per_token * is_weight
     ref_kl = None
     if cfg.beta > 0:
@@ -186,6 +228,17 @@ def _token_terms(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, advantag
         ref_kl = torch.exp(ref_diff) - ref_diff - 1.0
         per_token = per_token + cfg.beta * ref_kl
     return per_token, r, dropped, ref_kl
+
+
+def _fixed_is_weight(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, cfg: LossConfig,
+                     seq_ids: torch.Tensor | None, seq_lens: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Later iterations' IS weight from the trainer's old policy to the engine that sampled, and which tokens it
+    dropped (mask) or truncated."""
+    r_is = torch.exp(_level((old_logprobs - engine_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO),
+                            seq_ids, seq_lens))
+    kept = (r_is >= cfg.is_min) & (r_is <= cfg.is_max)
+    is_weight = r_is * kept if cfg.is_mode == "mask" else r_is.clamp(max=cfg.is_max)
+    return is_weight, (~kept if cfg.is_mode == "mask" else r_is > cfg.is_max)
 
 
 def _normalised_sum(per_token: torch.Tensor, divisor: torch.Tensor | float | None, num_loss_tokens: int
