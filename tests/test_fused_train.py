@@ -407,3 +407,37 @@ def test_add_rms_norm_backward_sums_both_gradients():
         reference(*b)[used].mul(up[used]).sum().backward()
         assert torch.equal(a[0].grad, b[0].grad) and torch.equal(a[1].grad, b[1].grad)
         assert (a[2].grad is None) == (b[2].grad is None)
+
+
+def test_shared_input_projections_sum_the_input_gradient_in_the_gemms():
+    """q/k/v (and gate/up) of one input: the outputs and the weights' gradients as nn.Linear's, the input's gradient
+    summed in fp32 (one rounding), an unused output's gradient left out; anything not a plain bias-free Linear (a
+    bias, a hook) runs as the module itself."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 11, 32, generator=g)
+    linears = [torch.nn.Linear(32, n, bias=False) for n in (64, 16, 16)]
+    ups = [torch.randn(1, 11, n, generator=g) for n in (64, 16, 16)]
+
+    def run(fn, used=(0, 1, 2)):
+        xi = x.clone().requires_grad_(True)
+        for m in linears:
+            m.weight.grad = None
+        outs = fn(xi)
+        sum((outs[i] * ups[i]).sum() for i in used).backward()
+        return outs, xi.grad, [m.weight.grad for m in linears]
+
+    for used in ((0, 1, 2), (0, 2)):
+        want, want_dx, want_dw = run(lambda xi: [m(xi) for m in linears], used)
+        got, dx, dw = run(lambda xi: fused.shared_input(xi, *linears), used)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        torch.testing.assert_close(dx, want_dx, rtol=1e-6, atol=1e-6)
+        for a, b in zip(dw, want_dw, strict=True):
+            assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, rtol=1e-6, atol=1e-6))
+    calls = []
+    hook = linears[1].register_forward_hook(lambda *a: calls.append(1))
+    fused.shared_input(x, *linears)
+    assert calls == [1]  # a hooked projection ran as its module
+    hook.remove()
+    assert type(fused.shared_input(x, *linears)[0].grad_fn).__name__ == "_SharedInputBackward"
+    biased = [torch.nn.Linear(32, 8), linears[0]]
+    assert type(fused.shared_input(x, *biased)[1].grad_fn).__name__ != "_SharedInputBackward"

@@ -162,6 +162,41 @@ def test_chunked_loss_is_the_recompute_on_the_gpu():
         assert (got.float() - exact.float()).abs().max() <= 2**-7 * exact.float().abs().max()
     assert want[1].abs().max() > 0
 
+@pytest.mark.parametrize("cfg", [dict(type="cispo", eps_high=5.0), dict(type="grpo", is_mode="truncate", beta=0.04)],
+                         ids=["cispo", "grpo-truncate-old-ref"])
+def test_loss_gradient_in_the_kernel_on_the_gpu(cfg):
+    """The d logits kernel's closed-form d loss / d logp (``triton_logprobs._token_grad``) on the GPU, for the losses
+    beside dapo: cispo's capped weight, grpo's per-token divisor with later iterations' fixed IS weight, truncation
+    and the reference's KL; against the kernels' logprobs, then ``grpo_loss`` and its backward."""
+    from unison.train.logprobs import chunked_loss
+    from unison.train.loss import LossConfig, grpo_loss, token_loss
+
+    torch.manual_seed(7)
+    m, vocab = 2500, 151936
+    hidden = torch.randn(m, 1024, device="cuda").bfloat16().requires_grad_(True)
+    weight = (torch.randn(vocab, 1024, device="cuda") * 0.05).bfloat16().requires_grad_(True)
+    targets = torch.randint(0, vocab, (m,), device="cuda")
+    with torch.no_grad():
+        logp, _ = chunked_logprobs(hidden, weight, targets, 1.0, 1024)
+    loss_cfg = LossConfig(**cfg)
+    noise = lambda s: logp + s * torch.randn_like(logp)  # noqa: E731
+    engine, advantages = noise(0.3), torch.randn_like(logp)
+    args = {} if loss_cfg.type == "cispo" else dict(
+        divisor=torch.rand(m, device="cuda") * 400 + 100, old_logprobs=noise(0.2), ref_logprobs=noise(0.1))
+    logp = chunked_logprobs(hidden, weight, targets, 1.0, 1024)[0]
+    want_loss = grpo_loss(logp, engine, advantages, loss_cfg, m, **args)[0]
+    want_loss.backward()
+    want = hidden.grad.float(), weight.grad.float()
+    hidden.grad = weight.grad = None
+    loss, fused_logp, _ = chunked_loss(hidden, weight, targets, token_loss(engine, advantages, loss_cfg, m, **args),
+                                       1.0, 1024)
+    loss.backward()
+    assert torch.equal(fused_logp, logp.detach())
+    torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-5, atol=1e-7)
+    for got, exact in zip((hidden.grad.float(), weight.grad.float()), want, strict=True):
+        assert (got - exact).norm() <= 1e-3 * exact.norm() and exact.abs().max() > 0
+
+
 def test_bf16_model_with_kernels_at_the_floor():
     """A bf16 Qwen3 (q_norm/k_norm, GQA) packed forward and backward, with and without the kernels, against the
     same weights in fp32: the kernels' logprobs and gradients are no further from fp32 than transformers' are."""

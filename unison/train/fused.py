@@ -19,6 +19,7 @@ import functools
 from contextlib import ExitStack, contextmanager
 
 import torch
+import torch.nn.modules.module as module_hooks
 import triton
 import triton.language as tl
 
@@ -236,6 +237,50 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _SiluMul.apply(gate, up)
 
 
+class _SharedInput(torch.autograd.Function):
+    """``x @ w.T`` for each of several weights: the separate projections of one input (q, k and v; gate and up). The
+    backward sums their input gradients inside the GEMMs (``addmm``, accumulating in fp32 and rounding once) where
+    autograd added the rounded products in separate launches (two for q/k/v, one for gate/up, a layer); each weight's
+    gradient is one GEMM, as autograd's."""
+
+    @staticmethod
+    def forward(ctx, x, *weights):
+        ctx.save_for_backward(x, *weights)
+        ctx.set_materialize_grads(False)
+        return tuple(torch.nn.functional.linear(x, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        rows = x.reshape(-1, x.shape[-1])
+        dx, dws = None, []
+        for i, (g, w) in enumerate(zip(grads, weights, strict=True)):
+            if g is None:
+                dws.append(None)
+                continue
+            g = g.reshape(-1, g.shape[-1])
+            if ctx.needs_input_grad[0]:
+                dx = torch.mm(g, w) if dx is None else torch.addmm(dx, g, w)
+            dws.append(g.t().mm(rows) if ctx.needs_input_grad[1 + i] else None)
+        return (dx.view(x.shape) if dx is not None else None), *dws
+
+
+def shared_input(x: torch.Tensor, *linears: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    """``tuple(m(x) for m in linears)``; through ``_SharedInput`` where each is a plain bias-free ``nn.Linear`` of
+    x's dtype running its own forward without hooks (a LoRA layer, a tensor-parallel shard's swapped forward or a
+    hooked module runs as itself)."""
+    if all(_plain_linear(m, x) for m in linears) and not (module_hooks._global_forward_hooks
+                                                         or module_hooks._global_forward_pre_hooks):
+        return _SharedInput.apply(x, *(m.weight for m in linears))
+    return tuple(m(x) for m in linears)
+
+
+def _plain_linear(m: torch.nn.Module, x: torch.Tensor) -> bool:
+    return (type(m) is torch.nn.Linear and m.bias is None and type(m.weight.data) is torch.Tensor
+            and m.weight.dtype == x.dtype and m.weight.device == x.device and "forward" not in m.__dict__
+            and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks))
+
+
 @contextmanager
 def fused_training(model: torch.nn.Module, adds: bool = True):
     """Within the block, ``model``'s known RMSNorms, RoPE and SwiGLU MLPs run as the differentiable kernels above, the
@@ -281,7 +326,7 @@ def _call(module: torch.nn.Module, *args, **kwargs):
 
 def _mlp_forward(mlp: torch.nn.Module):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+        return mlp.down_proj(silu_mul(*shared_input(x, mlp.gate_proj, mlp.up_proj)))
     return forward
 
 

@@ -26,7 +26,7 @@ import triton.language as tl
 from ..engine.fused_layer import attention_form, normed_rope
 from ..engine.fused_linear import swap_forward
 from ..engine.fused_norm import fusable
-from .fused import _multiprocessors, _sum_parts
+from .fused import _multiprocessors, _sum_parts, shared_input
 
 
 @triton.jit
@@ -172,9 +172,9 @@ def _attention_forward(attn: torch.nn.Module, window: str | None):
             rest["sliding_window"] = attn.sliding_window if window == "layer" else \
                 getattr(attn.config, "sliding_window", None)
         n = hidden_states.shape[1]
-        q = attn.q_proj(hidden_states).view(n, -1, attn.head_dim)
-        k = attn.k_proj(hidden_states).view(n, -1, attn.head_dim)
-        v = attn.v_proj(hidden_states).view(1, n, -1, attn.head_dim).transpose(1, 2)
+        q, k, v = shared_input(hidden_states, attn.q_proj, attn.k_proj, attn.v_proj)
+        q, k = q.view(n, -1, attn.head_dim), k.view(n, -1, attn.head_dim)
+        v = v.view(1, n, -1, attn.head_dim).transpose(1, 2)
         q, k = qk_norm_rope(q, k, attn.q_norm, attn.k_norm, cos[0], sin[0])
         interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
                                                                    modeling.eager_attention_forward)
