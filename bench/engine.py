@@ -209,13 +209,21 @@ def roofline(shape: str, concurrency: int, prompt: int, new: int, ceilings: dict
 
 
 def commit() -> str | None:
-    if os.environ.get("UNISON_COMMIT"):  # set by the caller where the checkout has no .git (the GPU machine)
+    """The checkout's commit, "+changes" where its unison/ differs from it, and where the unison that ran came from
+    when that is not the checkout's (an A/B's base tree, e.g. build/base on PYTHONPATH)."""
+    if os.environ.get("UNISON_COMMIT"):  # set by the caller where the checkout has no .git
         return os.environ["UNISON_COMMIT"]
+    import unison
+
+    git = (lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, check=True,
+                                     cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip())
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        root, head = git("rev-parse", "--show-toplevel"), git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ":/unison")
     except (OSError, subprocess.CalledProcessError):
         return None
+    ran = os.path.relpath(os.path.dirname(os.path.dirname(os.path.abspath(unison.__file__))), root)
+    return head + ("+changes" if changed else "") + ("" if ran == "." else f" (unison from {ran})")
 
 
 def main():

@@ -31,6 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 sys.path.append(os.path.join(os.path.dirname(__file__), ".."))  # after PYTHONPATH: an A/B's base tree goes first
+from engine import commit  # noqa: E402
+
 from unison.rollout.sample import Sample  # noqa: E402
 from unison.train.logprobs import policy_loss  # noqa: E402
 from unison.train.loss import LossConfig, token_loss  # noqa: E402
@@ -182,7 +184,7 @@ def main():
         host = (time.perf_counter() - t0) / 5 * 1e3
         torch.cuda.synchronize()
     chunks = -(-at.numel() // args.chunk)
-    out = {"device": args.device, "width": args.width, "layers": model.config.num_hidden_layers,
+    out = {"commit": commit(), "device": args.device, "width": args.width, "layers": model.config.num_hidden_layers,
            "row_tokens": row.num_tokens, "loss_tokens": at.numel(), "chunks": chunks,
            "forward": {"torch_ops": forward_ops, "triton": forward_triton},
            "backward": {"torch_ops": total_ops - forward_ops, "triton": mode.triton - forward_triton},

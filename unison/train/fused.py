@@ -7,6 +7,9 @@ switches, for the ``with`` block, the modules the engine's decode graphs already
 ``unison.engine.fused_rope``) and the SwiGLU MLPs of the same families to differentiable kernels that compute the
 same function in the same precision as transformers' modules (fp32 statistics, each rounding where transformers
 rounds), so the trainer's logprobs stay the engine's. The backward kernels compute in fp32 and round once.
+As the engine's layers do, each residual add runs in the kernel of the norm after it (``add_rms_norm``), and
+fewer launches a row matter here too: the 0.6B step is bound by the host's launches (bench/train_launches.py), so
+the projections that share an input sum their input gradients inside the GEMMs (``shared_input``).
 
 The block must span the backward too when activation checkpointing is on: the recomputed forward then runs the
 same kernels. Blocks nest (an inner one changes nothing). ``unison.train.logprobs.training_kernels`` enters it on
