@@ -277,7 +277,7 @@ def _loss_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
     """``_ChunkedLoss``'s chunks through the Triton kernels with the loss's gradient in closed form: a chunk's logits,
     one kernel for its logprobs (written into ``logp`` and ``entropy``), one for its d logits with each token's
     d loss / d logp taken inside it from ``terms``, then d hidden and d weight: five launches a chunk, where the
-    share and autograd's gradient of it took ~45 more (bench/train_launches.py)."""
+    share and autograd's gradient of it took ~48 more (bench/train_launches.py)."""
     from unison.train import triton_logprobs
 
     if grad_h is None and grad_w is None:  # nothing trains through the head: the logprobs alone
