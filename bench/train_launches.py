@@ -4,7 +4,8 @@ the host pays for; on the CPU the same code path runs its Triton kernels in Trit
 the GPU's without a GPU.
 
     python bench/train_launches.py --json bench/results/cpu/train_launches.json      # CPU, the interpreter
-    python bench/train_launches.py --device cuda --width 1024                        # GPU: counts and host time
+    python bench/train_launches.py --device cuda --width 1024 --vocab 151936 --chunk 1024 --prompt 64 --completion 512
+                                                          # GPU: counts, and the host's ms to launch a row
 
 The model has the Qwen3-0.6B shape's structure (28 layers, q/k norms, GQA, SwiGLU) at a small width (``--width``);
 the row is 8 samples of ``--prompt`` + ``--completion`` tokens, the lm_head in chunks of ``--chunk`` loss tokens, the
@@ -82,8 +83,8 @@ def count_triton(mode: Launches):
 
 
 def one_attention_kernel(mode: Launches) -> None:
-    """On the CPU the packed row's attention runs one sample at a time in PyTorch operators; on the GPU it is one
-    kernel each way (cuDNN's or flash's). Counted as that."""
+    """The packed row's attention counted as one kernel each way: on the GPU cuDNN's or flash's (cuDNN's run no
+    PyTorch operator to count), on the CPU one sample at a time in PyTorch operators."""
     from unison.engine import attention
 
     inner = attention.varlen_causal
@@ -167,28 +168,29 @@ def main():
             loss.backward()
         return forward
 
-    if args.device == "cuda":
+    host = wall = None
+    if args.device == "cuda":  # timed before the counting wraps anything
         step()  # compiles
+        issued, done = [], []
+        for _ in range(6):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            issued.append(time.perf_counter() - t0)  # the host's time to launch the row (it does not wait on the GPU)
+            torch.cuda.synchronize()
+            done.append(time.perf_counter() - t0)
+        host, wall = (round(sorted(t)[len(t) // 2] * 1e3, 2) for t in (issued, done))
     mode = Launches()
     count_triton(mode)
-    if args.device == "cpu":
-        one_attention_kernel(mode)
+    one_attention_kernel(mode)
     forward_ops, forward_triton = step(mode)
     total_ops = sum(mode.ops.values())
-    host = None
-    if args.device == "cuda":
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            step()
-        host = (time.perf_counter() - t0) / 5 * 1e3
-        torch.cuda.synchronize()
     chunks = -(-at.numel() // args.chunk)
     out = {"commit": commit(), "device": args.device, "width": args.width, "layers": model.config.num_hidden_layers,
            "row_tokens": row.num_tokens, "loss_tokens": at.numel(), "chunks": chunks,
            "forward": {"torch_ops": forward_ops, "triton": forward_triton},
            "backward": {"torch_ops": total_ops - forward_ops, "triton": mode.triton - forward_triton},
-           "total_launches": total_ops + mode.triton, "host_ms_per_row": host,
+           "total_launches": total_ops + mode.triton, "host_ms_per_row": host, "wall_ms_per_row": wall,
            "top_ops": dict(mode.ops.most_common(20))}
     print(json.dumps(out, indent=1))
     if args.json:
