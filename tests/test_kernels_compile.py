@@ -1,0 +1,72 @@
+"""The trainer's Triton kernels compile for the GPUs users train on, checked on a machine without one: each variant
+a bf16 training row launches in the CPU tests' interpreter, compiled by Triton's compiler for the H200 (sm_90)
+and the A100 (sm_80) (``kernel_specs``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_llama, tiny_qwen3
+from kernel_specs import TRITON_ENV, record
+
+from unison.rollout.sample import Sample
+from unison.train.loss import LossConfig
+from unison.train.packing import pack_samples
+from unison.train.step import _row_loss
+
+pytestmark = pytest.mark.skipif(not os.environ.get("TRITON_INTERPRET"), reason="records the interpreter's launches")
+
+LOSSES = [LossConfig(), LossConfig(type="grpo", is_mode="truncate", beta=0.05),
+          LossConfig(type="cispo", is_mode="mask", eps_high=5.0), LossConfig(type="gspo")]
+"""A first iteration's dapo; later iterations' grpo with the reference's KL, truncated IS; cispo's capped weight with
+masked IS; gspo, whose sequence-level ratio takes the chunks' plain backward. Each is a constexpr variant of the
+d logits kernel."""
+
+
+def _row(vocab: int, later: bool):
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(tuple(torch.randint(10, vocab, (5,), generator=g).tolist()),
+                      tuple(torch.randint(10, vocab, (7,), generator=g).tolist()),
+                      tuple((-torch.rand(7, generator=g)).tolist()), (0,) * 7, 1.0, float(i % 3 - 1))
+               for i in range(4)]
+    (row,) = pack_samples(samples, 64, 0)
+    n = row.loss_positions.numel()
+    extra = {"old_logprobs": -torch.rand(n, generator=g), "ref_logprobs": -torch.rand(n, generator=g)} if later else {}
+    return row, extra
+
+
+def _train_row(model, cfg: LossConfig):
+    row, extra = _row(model.config.vocab_size, cfg.beta > 0)
+    model.zero_grad(set_to_none=True)
+    loss, *_ = _row_loss(model, row, cfg, row.loss_positions.numel(), 0.7, 8, True, seq_lens=[7] * 4, **extra)
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_training_kernels_compile_for_the_h200_and_the_a100(tmp_path: Path):
+    specs: dict = {}
+    with record(specs):
+        qwen3 = tiny_qwen3(dtype=torch.bfloat16)
+        for cfg in LOSSES:
+            _train_row(qwen3, cfg)
+        _train_row(tiny_llama(dtype=torch.bfloat16), LOSSES[0])
+    entries = list(specs.values())
+    names = {e["name"] for e in entries}
+    # the norms (and the residual add in them), RoPE, q/k norm + RoPE, SwiGLU, the lm_head chunks, forward and back
+    assert {"_rms_norm_kernel", "_rms_norm_backward_kernel", "_sum_parts_kernel", "_silu_mul_kernel",
+            "_forward_kernel", "_backward_kernel"} <= names, names
+    assert len({e["module"] for e in entries}) >= 5, {e["module"] for e in entries}
+    path = tmp_path / "specs.json"
+    path.write_text(json.dumps(entries))
+    env = {k: v for k, v in os.environ.items() if k not in TRITON_ENV}
+    env.update({k: v for k, v in TRITON_ENV.items() if v is not None}, TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("kernel_specs.py")), str(path), "90", "80"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert f"{2 * len(entries)} of {2 * len(entries)} compiled" in done.stdout, done.stdout[-3000:]
