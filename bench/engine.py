@@ -58,6 +58,9 @@ def build(shape: str, device: str, dtype: torch.dtype, attn: str) -> torch.nn.Mo
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype)
+    pack = getattr(fused_linear, "pack_projections", None)  # the trainer's layout (an A/B's older base has none)
+    if pack is not None:
+        pack(model)
     return model.eval()
 
 

@@ -197,11 +197,17 @@ def test_loss_gradient_in_the_kernel_on_the_gpu(cfg):
         assert (got - exact).norm() <= 1e-3 * exact.norm() and exact.abs().max() > 0
 
 
-def test_bf16_model_with_kernels_at_the_floor():
+@pytest.mark.parametrize("joined", [False, True], ids=["apart", "joined"])
+def test_bf16_model_with_kernels_at_the_floor(joined):
     """A bf16 Qwen3 (q_norm/k_norm, GQA) packed forward and backward, with and without the kernels, against the
-    same weights in fp32: the kernels' logprobs and gradients are no further from fp32 than transformers' are."""
+    same weights in fp32: the kernels' logprobs and gradients are no further from fp32 than transformers' are; with
+    q/k/v and gate/up ``joined`` (``pack_projections``, one GEMM each way) too."""
+    from unison.engine.fused_linear import pack_projections
+
     ref = tiny_qwen3(vocab=2048).cuda()
     model = copy.deepcopy(ref).bfloat16()
+    if joined:
+        assert pack_projections(model) == 2 * model.config.num_hidden_layers
     row = packed_row(2048).to("cuda")
 
     def run(m, kernels):

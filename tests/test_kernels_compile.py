@@ -1,5 +1,6 @@
 """The trainer's Triton kernels compile for the GPUs users train on, checked on a machine without one: each variant
-a bf16 training row launches in the CPU tests' interpreter, compiled by Triton's compiler for the H200 (sm_90)
+a bf16 training row launches in the CPU tests' interpreter (weights joined as ``load_policy`` lays them out, and
+apart), compiled by Triton's compiler for the H200 (sm_90)
 and the A100 (sm_80) (``kernel_specs``)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from conftest import tiny_llama, tiny_qwen3
 from kernel_specs import TRITON_ENV, record
 
+from unison.engine.fused_linear import pack_projections
 from unison.rollout.sample import Sample
 from unison.train.loss import LossConfig
 from unison.train.packing import pack_samples
@@ -53,14 +55,17 @@ def test_training_kernels_compile_for_the_h200_and_the_a100(tmp_path: Path):
     specs: dict = {}
     with record(specs):
         qwen3 = tiny_qwen3(dtype=torch.bfloat16)
+        pack_projections(qwen3)  # as load_policy lays it out: q/k/v and gate/up joined (unison.train.joined)
         for cfg in LOSSES:
             _train_row(qwen3, cfg)
+        _train_row(tiny_qwen3(dtype=torch.bfloat16), LOSSES[0])  # the projections apart
         _train_row(tiny_llama(dtype=torch.bfloat16), LOSSES[0])
     entries = list(specs.values())
     names = {e["name"] for e in entries}
-    # the norms (and the residual add in them), RoPE, q/k norm + RoPE, SwiGLU, the lm_head chunks, forward and back
+    # the norms (and the residual add in them), RoPE, q/k norm + RoPE, SwiGLU (apart and joined), the lm_head
+    # chunks, forward and back
     assert {"_rms_norm_kernel", "_rms_norm_backward_kernel", "_sum_parts_kernel", "_silu_mul_kernel",
-            "_forward_kernel", "_backward_kernel"} <= names, names
+            "_gated_rows_kernel", "_rope_kernel", "_forward_kernel", "_backward_kernel"} <= names, names
     assert len({e["module"] for e in entries}) >= 5, {e["module"] for e in entries}
     path = tmp_path / "specs.json"
     path.write_text(json.dumps(entries))

@@ -44,6 +44,7 @@ from unison.config import InvalidInputError, MissingInputError
 from unison.dist.tensor_parallel import parallelize
 from unison.dist.topology import Topology
 from unison.engine.attention import ATTN_NAME
+from unison.engine.fused_linear import pack_projections
 from unison.lora import LoraConfig, apply_lora, load_adapter, shard_adapters
 from unison.vision.model import freeze_vision
 
@@ -148,6 +149,9 @@ def load_policy(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = "a
         if folder:
             load_adapter(model, folder)
     model.to(device).eval()
+    # q/k/v and gate/up as one matrix each (their parameters views of it): the trainer projects each group in one
+    # GEMM each way (unison.train.joined). Before anything records the weights' addresses (engine, optimizer).
+    pack_projections(model)
     if chat_template:
         tokenizer.chat_template = _read_template(chat_template)
     _check_tokenizer(tokenizer, model)

@@ -197,15 +197,29 @@ def _silu_mul_kernel(G, U, Y, DY, DG, DU, n, BLOCK: tl.constexpr, BACKWARD: tl.c
     mask = offs < n
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=mask, other=0.0)
-    sig = tl.sigmoid(g)
-    a = (g * sig).to(U.dtype.element_ty).to(tl.float32)
     if BACKWARD:
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DU + offs, (dy * a).to(DU.dtype.element_ty), mask=mask)
-        da = (dy * u.to(tl.float32)).to(U.dtype.element_ty).to(tl.float32)
-        tl.store(DG + offs, (da * sig * (1.0 + g * (1.0 - sig))).to(DG.dtype.element_ty), mask=mask)
+        dg, du = swiglu_backward(g, u, tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32))
+        tl.store(DU + offs, du.to(DU.dtype.element_ty), mask=mask)
+        tl.store(DG + offs, dg.to(DG.dtype.element_ty), mask=mask)
     else:
-        tl.store(Y + offs, (a * u.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + offs, swiglu(g, u).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def swiglu(g, u):
+    """silu(g) * u in fp32, g in fp32 and u as loaded: silu rounded to u's dtype first, as transformers' two
+    operations round."""
+    return (g * tl.sigmoid(g)).to(u.dtype).to(tl.float32) * u.to(tl.float32)
+
+
+@triton.jit
+def swiglu_backward(g, u, dy):
+    """(dg, du) in fp32 of ``swiglu(g, u)`` given dy (fp32), with the forward's rounding of silu and autograd's of
+    the product's gradient."""
+    sig = tl.sigmoid(g)
+    du = dy * (g * sig).to(u.dtype).to(tl.float32)
+    da = (dy * u.to(tl.float32)).to(u.dtype).to(tl.float32)
+    return da * sig * (1.0 + g * (1.0 - sig)), du
 
 
 _ELEMENTWISE_BLOCK = 1024
@@ -328,8 +342,11 @@ def _call(module: torch.nn.Module, *args, **kwargs):
 
 
 def _mlp_forward(mlp: torch.nn.Module):
+    from .joined import gated_up
+
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return mlp.down_proj(silu_mul(*shared_input(x, mlp.gate_proj, mlp.up_proj)))
+        hidden = gated_up(x, mlp)  # one GEMM each way over joined weights (pack_projections)
+        return mlp.down_proj(hidden if hidden is not None else silu_mul(*shared_input(x, mlp.gate_proj, mlp.up_proj)))
     return forward
 
 

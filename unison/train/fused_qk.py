@@ -20,13 +20,14 @@ import sys
 from contextlib import ExitStack, contextmanager
 
 import torch
+import torch.nn.modules.module as module_hooks
 import triton
 import triton.language as tl
 
 from ..engine.fused_layer import attention_form, normed_rope
-from ..engine.fused_linear import swap_forward
+from ..engine.fused_linear import joined, swap_forward
 from ..engine.fused_norm import fusable
-from .fused import _multiprocessors, _sum_parts, shared_input
+from .fused import _multiprocessors, _plain_linear, _sum_parts, shared_input
 
 
 @triton.jit
@@ -52,8 +53,8 @@ def _forward_kernel(Q, K, QW, KW, Cos, Sin, QO, KO, n_tokens, q_heads, k_heads, 
 
 @triton.jit(do_not_specialize=["n_tokens", "tokens_per_program"])
 def _backward_kernel(DQ, DK, Q, K, QW, KW, Cos, Sin, DQX, DKX, DW, n_tokens, tokens_per_program, q_heads,
-                     k_heads, stride_q, stride_k, stride_c, eps_q, eps_k, HALF: tl.constexpr, BLOCK: tl.constexpr,
-                     HEADS: tl.constexpr):
+                     k_heads, stride_q, stride_k, stride_dq, stride_dk, stride_dqx, stride_dkx, stride_c, eps_q,
+                     eps_k, HALF: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr):
     """Tokens [pid * tokens_per_program, ...), HEADS of their heads (group program_id(1)): dx of rope(norm(x)) given
     its output's gradient (RoPE's transpose, then RMSNorm's backward, in fp32), and this program's partial sums of
     the two weights' gradients (row pid * groups + group of DW: the q norm's, then the k norm's, side by side, so
@@ -76,7 +77,7 @@ def _backward_kernel(DQ, DK, Q, K, QW, KW, Cos, Sin, DQX, DKX, DW, n_tokens, tok
         live = (tl.zeros([1, BLOCK], tl.int64) + t) < n_tokens  # (a tensor: the interpreter's masks want one)
         qm, km = q_rows & live, k_rows & live
         q_at, k_at, _, _ = _rows_of(Q, K, t, head, q_heads, k_heads, stride_q, stride_k, HALF)
-        dq_at, dk_at, _, _ = _rows_of(DQ, DK, t, head, q_heads, k_heads, stride_q, stride_k, HALF)
+        dq_at, dk_at, _, _ = _rows_of(DQ, DK, t, head, q_heads, k_heads, stride_dq, stride_dk, HALF)
         dy = tl.where(is_q, tl.load(dq_at + d, mask=qm, other=0.0), tl.load(dk_at + d, mask=km, other=0.0))
         dyp = tl.where(is_q, tl.load(dq_at + partner, mask=qm, other=0.0),
                        tl.load(dk_at + partner, mask=km, other=0.0)).to(tl.float32)
@@ -90,8 +91,7 @@ def _backward_kernel(DQ, DK, Q, K, QW, KW, Cos, Sin, DQX, DKX, DW, n_tokens, tok
         dw += dn * (xf * r).to(x.dtype).to(tl.float32)  # the forward's weight multiplied the rounded value
         dnw = dn * w
         dx = r * dnw - xf * (r * r * r) * (tl.sum(dnw * xf, 1, keep_dims=True) / (2 * HALF))
-        dqx_at, dkx_at, _, _ = _rows_of(DQX, DKX, t, head, q_heads, k_heads, q_heads * 2 * HALF,
-                                        k_heads * 2 * HALF, HALF)
+        dqx_at, dkx_at, _, _ = _rows_of(DQX, DKX, t, head, q_heads, k_heads, stride_dqx, stride_dkx, HALF)
         tl.store(dqx_at + d, dx.to(DQX.dtype.element_ty), mask=qm)
         tl.store(dkx_at + d, dx.to(DKX.dtype.element_ty), mask=km)
     cols = tl.arange(0, BLOCK)
@@ -100,42 +100,99 @@ def _backward_kernel(DQ, DK, Q, K, QW, KW, Cos, Sin, DQX, DKX, DW, n_tokens, tok
     tl.store(DW + 2 * HALF + part, tl.sum(tl.where(is_q, 0.0, dw), 0), mask=cols < 2 * HALF)
 
 
+def _norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps_q: float,
+               eps_k: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope(norm(q)), rope(norm(k)) as contiguous tensors; q (T, H, D), k (T, KVH, D), each with contiguous heads
+    (a token's rows may be strided: q and k may be column blocks of one [q | k | v] matrix)."""
+    tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    per = min(triton.next_power_of_2(heads + kv_heads), 8)
+    _forward_kernel[(tokens, triton.cdiv(heads + kv_heads, per))](
+        q, k, q_weight, k_weight, cos, sin, q_out, k_out, tokens, heads, kv_heads, q.stride(0), k.stride(0),
+        cos.stride(0), eps_q, eps_k, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim), HEADS=per,
+        num_warps=4 if per * dim > 512 else 1, enable_fp_fusion=False)
+    return q_out, k_out
+
+
+def _norm_rope_backward(dq: torch.Tensor | None, dk: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                        q_weight: torch.Tensor, k_weight: torch.Tensor, eps: tuple[float, float], cos: torch.Tensor,
+                        sin: torch.Tensor, dq_x: torch.Tensor, dk_x: torch.Tensor) -> torch.Tensor:
+    """The input gradients of ``_norm_rope`` into dq_x and dk_x (q's and k's shapes, rows possibly strided), given
+    its outputs' (None: zero); returns both norm weights' gradients, [q's | k's]."""
+    tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    dq = dq.contiguous() if dq is not None else q.new_zeros(q.shape)
+    dk = dk.contiguous() if dk is not None else k.new_zeros(k.shape)
+    per = min(triton.next_power_of_2(heads + kv_heads), 8)
+    groups = triton.cdiv(heads + kv_heads, per)
+    programs = max(1, min(tokens, 8 * _multiprocessors(q.device) // groups))
+    per_program = -(-tokens // programs)
+    programs = -(-tokens // per_program)
+    parts = torch.empty(programs * groups, 2 * dim, dtype=torch.float32, device=q.device)  # [q's | k's]
+    _backward_kernel[(programs, groups)](
+        dq, dk, q, k, q_weight, k_weight, cos, sin, dq_x, dk_x, parts, tokens, per_program, heads, kv_heads,
+        q.stride(0), k.stride(0), dq.stride(0), dk.stride(0), dq_x.stride(0), dk_x.stride(0), cos.stride(0), *eps,
+        HALF=dim // 2, BLOCK=triton.next_power_of_2(dim), HEADS=per, num_warps=4 if per * dim > 512 else 1)
+    return _sum_parts(parts, q_weight.dtype)  # both weights' gradients, one launch (each column summed alone)
+
+
 class _QKNormRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, q_weight, k_weight, eps_q, eps_k, cos, sin):
         q, k = q.contiguous(), k.contiguous()
-        tokens, heads, dim = q.shape
-        kv_heads = k.shape[1]
-        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-        per = min(triton.next_power_of_2(heads + kv_heads), 8)
-        _forward_kernel[(tokens, triton.cdiv(heads + kv_heads, per))](
-            q, k, q_weight, k_weight, cos, sin, q_out, k_out, tokens, heads, kv_heads, q.stride(0), k.stride(0),
-            cos.stride(0), eps_q, eps_k, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim), HEADS=per,
-            num_warps=4 if per * dim > 512 else 1, enable_fp_fusion=False)
         ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
         ctx.eps = eps_q, eps_k
-        return q_out, k_out
+        return _norm_rope(q, k, q_weight, k_weight, eps_q, eps_k, cos, sin)
 
     @staticmethod
     def backward(ctx, dq, dk):
         q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
-        tokens, heads, dim = q.shape
-        kv_heads = k.shape[1]
-        dq = dq.contiguous() if dq is not None else torch.zeros_like(q)
-        dk = dk.contiguous() if dk is not None else torch.zeros_like(k)
-        per = min(triton.next_power_of_2(heads + kv_heads), 8)
-        groups = triton.cdiv(heads + kv_heads, per)
-        programs = max(1, min(tokens, 8 * _multiprocessors(q.device) // groups))
-        per_program = -(-tokens // programs)
-        programs = -(-tokens // per_program)
         dq_x, dk_x = torch.empty_like(q), torch.empty_like(k)
-        parts = torch.empty(programs * groups, 2 * dim, dtype=torch.float32, device=q.device)  # [q's | k's]
-        _backward_kernel[(programs, groups)](
-            dq, dk, q, k, q_weight, k_weight, cos, sin, dq_x, dk_x, parts, tokens, per_program, heads, kv_heads,
-            q.stride(0), k.stride(0), cos.stride(0), *ctx.eps, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim),
-            HEADS=per, num_warps=4 if per * dim > 512 else 1)
-        dw = _sum_parts(parts, q_weight.dtype)  # both weights' gradients, one launch (each column summed alone)
+        dw = _norm_rope_backward(dq, dk, q, k, q_weight, k_weight, ctx.eps, cos, sin, dq_x, dk_x)
+        dim = q.shape[-1]
         return dq_x, dk_x, dw[:dim], dw[dim:], None, None, None, None
+
+
+class _QKVNormRope(torch.autograd.Function):
+    """The q/k/v projections over their joined weight (``unison.engine.fused_linear.pack_projections``) as one
+    GEMM, then ``_norm_rope`` on q's and k's column blocks of it; v is its last block. The backward writes q's and
+    k's input gradients and v's gradient side by side, so the input gradient and the three weights' gradients are a
+    GEMM each."""
+
+    @staticmethod
+    def forward(ctx, x, q_proj, k_proj, v_proj, q_weight, k_weight, eps_q, eps_k, cos, sin, dim):
+        rows = x.reshape(-1, x.shape[-1])
+        qkv = torch.mm(rows, joined([q_proj, k_proj, v_proj]).t())
+        q, k, v = _blocks(qkv, q_proj.shape[0], k_proj.shape[0], dim)
+        ctx.save_for_backward(rows, qkv, q_proj, k_proj, v_proj, q_weight, k_weight, cos, sin)
+        ctx.eps, ctx.dim, ctx.x_shape = (eps_q, eps_k), dim, x.shape
+        return *_norm_rope(q, k, q_weight, k_weight, eps_q, eps_k, cos, sin), v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        rows, qkv, q_proj, k_proj, v_proj, q_weight, k_weight, cos, sin = ctx.saved_tensors
+        dim, nq, nk = ctx.dim, q_proj.shape[0], k_proj.shape[0]
+        d_qkv = torch.empty_like(qkv)
+        q, k, _ = _blocks(qkv, nq, nk, dim)
+        dq_x, dk_x, dv_x = _blocks(d_qkv, nq, nk, dim)
+        dw = _norm_rope_backward(dq, dk, q, k, q_weight, k_weight, ctx.eps, cos, sin, dq_x, dk_x)
+        if dv is not None:
+            dv_x.copy_(dv.reshape(dv_x.shape))
+        else:
+            dv_x.zero_()
+        dx = torch.mm(d_qkv, joined([q_proj, k_proj, v_proj])).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        dwp = d_qkv.t().mm(rows) if any(ctx.needs_input_grad[1:4]) else None
+        proj = (dwp[:nq], dwp[nq:nq + nk], dwp[nq + nk:]) if dwp is not None else (None, None, None)
+        return dx, *proj, dw[:dim], dw[dim:], None, None, None, None, None
+
+
+def _blocks(qkv: torch.Tensor, nq: int, nk: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v, (T, heads, dim) views of the column blocks of a (T, nq + nk + nv) [q | k | v]."""
+    tokens = qkv.shape[0]
+    return (qkv[:, :nq].view(tokens, -1, dim), qkv[:, nq:nq + nk].view(tokens, -1, dim),
+            qkv[:, nq + nk:].view(tokens, -1, dim))
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm: torch.nn.Module, k_norm: torch.nn.Module,
@@ -147,6 +204,21 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm: torch.nn.Module, k_no
         raise ValueError("qk_norm_rope: the cos/sin tables require grad; the kernel does not differentiate them")
     return _QKNormRope.apply(q, k, q_norm.weight, k_norm.weight, q_norm.variance_epsilon, k_norm.variance_epsilon,
                              cos, sin)
+
+
+def qkv_norm_rope(x: torch.Tensor, attn: torch.nn.Module, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``qk_norm_rope`` of the attention's q and k projections of x, and its v projection, (T, heads, head_dim) each,
+    as one GEMM each way (``_QKVNormRope``) where q_proj, k_proj and v_proj are plain bias-free ``nn.Linear`` layers
+    of x's dtype without hooks whose weights are laid out as one matrix; else None (the caller projects apart). v is
+    a view of the GEMM's output (its rows strided)."""
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj)
+    if (not all(_plain_linear(m, x) for m in linears) or x.stride(-1) != 1 or cos.requires_grad or sin.requires_grad
+            or module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks
+            or joined([m.weight for m in linears]) is None):
+        return None
+    return _QKVNormRope.apply(x, *(m.weight for m in linears), attn.q_norm.weight, attn.k_norm.weight,
+                              attn.q_norm.variance_epsilon, attn.k_norm.variance_epsilon, cos, sin, attn.head_dim)
 
 
 def _covered(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: torch.nn.Module) -> bool:
@@ -172,10 +244,15 @@ def _attention_forward(attn: torch.nn.Module, window: str | None):
             rest["sliding_window"] = attn.sliding_window if window == "layer" else \
                 getattr(attn.config, "sliding_window", None)
         n = hidden_states.shape[1]
-        q, k, v = shared_input(hidden_states, attn.q_proj, attn.k_proj, attn.v_proj)
-        q, k = q.view(n, -1, attn.head_dim), k.view(n, -1, attn.head_dim)
-        v = v.view(1, n, -1, attn.head_dim).transpose(1, 2)
-        q, k = qk_norm_rope(q, k, attn.q_norm, attn.k_norm, cos[0], sin[0])
+        projected = qkv_norm_rope(hidden_states, attn, cos[0], sin[0])
+        if projected is not None:  # one GEMM each way over the joined weights (pack_projections)
+            q, k, v = projected
+            v = v[None].transpose(1, 2)
+        else:
+            q, k, v = shared_input(hidden_states, attn.q_proj, attn.k_proj, attn.v_proj)
+            q, k = q.view(n, -1, attn.head_dim), k.view(n, -1, attn.head_dim)
+            v = v.view(1, n, -1, attn.head_dim).transpose(1, 2)
+            q, k = qk_norm_rope(q, k, attn.q_norm, attn.k_norm, cos[0], sin[0])
         interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
                                                                    modeling.eager_attention_forward)
         out, weights = interface(attn, q[None].transpose(1, 2), k[None].transpose(1, 2), v,

@@ -1,0 +1,87 @@
+"""Projections that share their input laid out as one matrix (``unison.engine.fused_linear.pack_projections``) and
+trained as one GEMM each way (``unison.train.joined``, ``unison.train.fused_qk``): the same parameters, values,
+checkpoints, logprobs and gradients as apart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_llama, tiny_qwen3
+from test_logprobs import packed_row
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from unison.engine.fused_linear import joined, pack_projections
+from unison.train import fused_qk
+from unison.train import joined as joined_mlp
+from unison.train.checkpoint import save_hf_checkpoint
+from unison.train.logprobs import policy_logprobs
+
+pytest.importorskip("triton")
+
+
+def _groups(model):
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        yield [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+        yield [mlp.gate_proj.weight, mlp.up_proj.weight]
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
+def test_packing_keeps_the_parameters_and_their_values(build, tmp_path):
+    model = build()
+    before = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
+    assert all(joined(g) is None for g in _groups(model))
+    assert pack_projections(model) == 2 * model.config.num_hidden_layers
+    assert pack_projections(model) == 0  # laid out already
+    for name, p in model.named_parameters():
+        assert p is before[name][0] and torch.equal(p, before[name][1]), name
+        assert p.is_leaf and p.requires_grad
+    for group in _groups(model):
+        whole = joined(group)
+        assert whole is not None and torch.equal(whole, torch.cat([w.detach() for w in group]))
+    save_hf_checkpoint(model, None, str(tmp_path / "ckpt"))  # disjoint views of one storage: each saved whole
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32)
+    state = loaded.state_dict()
+    for name, (_, value) in before.items():
+        assert torch.equal(state[name], value), name
+
+
+def test_biased_or_wrapped_projections_keep_their_own_weights():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, attention_bias=True)
+    model = LlamaForCausalLM(cfg)
+    assert pack_projections(model) == 1  # the MLP; the biased q/k/v stay apart
+    attn = model.model.layers[0].self_attn
+    assert joined([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is None
+
+
+def _logprobs_and_grads(model, row):
+    model.zero_grad(set_to_none=True)
+    logp, entropy = policy_logprobs(model, row, temperature=0.7, chunk_size=6, with_entropy=True, kernels=True)
+    (logp * torch.linspace(-1.0, 1.0, logp.shape[0])).sum().backward()
+    return logp.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
+def test_training_over_joined_weights_equals_the_projections_apart(build, monkeypatch):
+    """Logprobs, entropies and every parameter's gradient as the unpacked model's through the same fused kernels:
+    Qwen3's q/k/v (with its q/k norms and RoPE) and every SwiGLU's gate/up as one GEMM each way."""
+    calls = {"qkv": 0, "gated": 0}
+    for module, name, key in ((fused_qk._QKVNormRope, "apply", "qkv"), (joined_mlp._GatedUp, "apply", "gated")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _key=key: calls.__setitem__(_key, calls[_key] + 1)
+                            or _real(*a))
+    apart, packed = build(vocab=128), build(vocab=128)
+    pack_projections(packed)
+    row = packed_row(apart.config.vocab_size)
+    logp, entropy, grads = _logprobs_and_grads(apart, row)
+    assert calls == {"qkv": 0, "gated": 0}
+    got_logp, got_entropy, got_grads = _logprobs_and_grads(packed, row)
+    layers = packed.config.num_hidden_layers
+    assert calls == {"qkv": layers if build is tiny_qwen3 else 0, "gated": layers}
+    torch.testing.assert_close(got_logp, logp, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_entropy, entropy, rtol=0, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+        assert grad.abs().max() > 0, name
