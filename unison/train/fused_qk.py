@@ -39,11 +39,26 @@ def _rows_of(Q, K, t, head, q_heads, k_heads, stride_q, stride_k, half):
     return Q + t * stride_q + head * (2 * half), K + t * stride_k + (head - q_heads) * (2 * half), is_q, is_k
 
 
+@triton.jit
+def _copy_row(SRC, DST, t, stride_src, stride_dst, width, live, BLOCK: tl.constexpr):
+    """Row t's first ``width`` elements of SRC into DST (``live``: a (1, BLOCK) mask, the row exists)."""
+    cols = tl.arange(0, BLOCK)[None, :]
+    mask = (cols < width) & live
+    tl.store(DST + t * stride_dst + cols, tl.load(SRC + t * stride_src + cols, mask=mask, other=0.0), mask=mask)
+
+
 @triton.jit(do_not_specialize=["n_tokens"])
-def _forward_kernel(Q, K, QW, KW, Cos, Sin, QO, KO, n_tokens, q_heads, k_heads, stride_q, stride_k, stride_c,
-                    eps_q, eps_k, HALF: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr):
-    """One token, HEADS of its heads: rope(norm(x)) with transformers' roundings (the engine's own function)."""
+def _forward_kernel(Q, K, QW, KW, Cos, Sin, QO, KO, V, VO, n_tokens, q_heads, k_heads, stride_q, stride_k, stride_v,
+                    stride_c, eps_q, eps_k, HALF: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr,
+                    COPY_V: tl.constexpr, V_BLOCK: tl.constexpr):
+    """One token, HEADS of its heads: rope(norm(x)) with transformers' roundings (the engine's own function); with
+    ``COPY_V`` the token's first program also copies its v row (strided, a block of [q | k | v]) into VO, contiguous,
+    where attention kernels want it."""
     t = tl.program_id(0).to(tl.int64)
+    if COPY_V:
+        if tl.program_id(1) == 0:
+            _copy_row(V, VO, t, stride_v, k_heads * 2 * HALF, k_heads * 2 * HALF,
+                      tl.full([1, V_BLOCK], True, tl.int1), V_BLOCK)
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     out, d, dmask, is_q, is_k, kh = normed_rope(Q, K, QW, KW, Cos, Sin, t, heads, q_heads, k_heads, stride_q,
                                                 stride_k, stride_c, eps_q, eps_k, HALF, BLOCK, True)
@@ -52,13 +67,15 @@ def _forward_kernel(Q, K, QW, KW, Cos, Sin, QO, KO, n_tokens, q_heads, k_heads, 
 
 
 @triton.jit(do_not_specialize=["n_tokens", "tokens_per_program"])
-def _backward_kernel(DQ, DK, Q, K, QW, KW, Cos, Sin, DQX, DKX, DW, n_tokens, tokens_per_program, q_heads,
-                     k_heads, stride_q, stride_k, stride_dq, stride_dk, stride_dqx, stride_dkx, stride_c, eps_q,
-                     eps_k, HALF: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr):
+def _backward_kernel(DQ, DK, Q, K, QW, KW, Cos, Sin, DQX, DKX, DW, DV, DVX, n_tokens, tokens_per_program, q_heads,
+                     k_heads, stride_q, stride_k, stride_dq, stride_dk, stride_dqx, stride_dkx, stride_dv,
+                     stride_dvx, stride_c, eps_q, eps_k, HALF: tl.constexpr, BLOCK: tl.constexpr,
+                     HEADS: tl.constexpr, COPY_V: tl.constexpr, V_BLOCK: tl.constexpr):
     """Tokens [pid * tokens_per_program, ...), HEADS of their heads (group program_id(1)): dx of rope(norm(x)) given
     its output's gradient (RoPE's transpose, then RMSNorm's backward, in fp32), and this program's partial sums of
     the two weights' gradients (row pid * groups + group of DW: the q norm's, then the k norm's, side by side, so
-    that one launch sums both down the rows)."""
+    that one launch sums both down the rows). With ``COPY_V`` group 0 also copies each token's dv row into DVX (the
+    v block of [dq | dk | dv], beside the q and k input gradients this kernel writes)."""
     pid = tl.program_id(0)
     group = tl.program_id(1)
     head = (group * HEADS + tl.arange(0, HEADS))[:, None]
@@ -75,6 +92,10 @@ def _backward_kernel(DQ, DK, Q, K, QW, KW, Cos, Sin, DQX, DKX, DW, n_tokens, tok
     for i in range(0, tokens_per_program):
         t = pid.to(tl.int64) * tokens_per_program + i
         live = (tl.zeros([1, BLOCK], tl.int64) + t) < n_tokens  # (a tensor: the interpreter's masks want one)
+        if COPY_V:
+            if group == 0:
+                _copy_row(DV, DVX, t, stride_dv, stride_dvx, k_heads * 2 * HALF,
+                          (tl.zeros([1, V_BLOCK], tl.int64) + t) < n_tokens, V_BLOCK)
         qm, km = q_rows & live, k_rows & live
         q_at, k_at, _, _ = _rows_of(Q, K, t, head, q_heads, k_heads, stride_q, stride_k, HALF)
         dq_at, dk_at, _, _ = _rows_of(DQ, DK, t, head, q_heads, k_heads, stride_dq, stride_dk, HALF)
@@ -101,26 +122,33 @@ def _backward_kernel(DQ, DK, Q, K, QW, KW, Cos, Sin, DQX, DKX, DW, n_tokens, tok
 
 
 def _norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps_q: float,
-               eps_k: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               eps_k: float, cos: torch.Tensor, sin: torch.Tensor,
+               v: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """rope(norm(q)), rope(norm(k)) as contiguous tensors; q (T, H, D), k (T, KVH, D), each with contiguous heads
-    (a token's rows may be strided: q and k may be column blocks of one [q | k | v] matrix)."""
+    (a token's rows may be strided: q and k may be column blocks of one [q | k | v] matrix). With ``v`` (k's shape,
+    rows possibly strided), also a contiguous copy of it, made in the same launch."""
     tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    v_out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if v is not None else None
     per = min(triton.next_power_of_2(heads + kv_heads), 8)
     _forward_kernel[(tokens, triton.cdiv(heads + kv_heads, per))](
-        q, k, q_weight, k_weight, cos, sin, q_out, k_out, tokens, heads, kv_heads, q.stride(0), k.stride(0),
-        cos.stride(0), eps_q, eps_k, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim), HEADS=per,
+        q, k, q_weight, k_weight, cos, sin, q_out, k_out, v if v is not None else q, v_out if v is not None else q,
+        tokens, heads, kv_heads, q.stride(0), k.stride(0), v.stride(0) if v is not None else 0, cos.stride(0), eps_q,
+        eps_k, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim), HEADS=per, COPY_V=v is not None,
+        V_BLOCK=triton.next_power_of_2(kv_heads * dim) if v is not None else 1,
         num_warps=4 if per * dim > 512 else 1, enable_fp_fusion=False)
-    return q_out, k_out
+    return (q_out, k_out) if v is None else (q_out, k_out, v_out)
 
 
 def _norm_rope_backward(dq: torch.Tensor | None, dk: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
                         q_weight: torch.Tensor, k_weight: torch.Tensor, eps: tuple[float, float], cos: torch.Tensor,
-                        sin: torch.Tensor, dq_x: torch.Tensor, dk_x: torch.Tensor) -> torch.Tensor:
+                        sin: torch.Tensor, dq_x: torch.Tensor, dk_x: torch.Tensor,
+                        dv: torch.Tensor | None = None, dv_x: torch.Tensor | None = None) -> torch.Tensor:
     """The input gradients of ``_norm_rope`` into dq_x and dk_x (q's and k's shapes, rows possibly strided), given
-    its outputs' (None: zero); returns both norm weights' gradients, [q's | k's]."""
+    its outputs' (None: zero); with ``dv`` and ``dv_x``, also dv copied into dv_x (rows possibly strided), in the
+    same launch. Returns both norm weights' gradients, [q's | k's]."""
     tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
     dq = dq.contiguous() if dq is not None else q.new_zeros(q.shape)
@@ -131,10 +159,16 @@ def _norm_rope_backward(dq: torch.Tensor | None, dk: torch.Tensor | None, q: tor
     per_program = -(-tokens // programs)
     programs = -(-tokens // per_program)
     parts = torch.empty(programs * groups, 2 * dim, dtype=torch.float32, device=q.device)  # [q's | k's]
+    copy_v = dv is not None
+    if copy_v:
+        dv = dv.reshape(tokens, -1)
+        dv = dv if dv.stride(-1) == 1 else dv.contiguous()
     _backward_kernel[(programs, groups)](
-        dq, dk, q, k, q_weight, k_weight, cos, sin, dq_x, dk_x, parts, tokens, per_program, heads, kv_heads,
-        q.stride(0), k.stride(0), dq.stride(0), dk.stride(0), dq_x.stride(0), dk_x.stride(0), cos.stride(0), *eps,
-        HALF=dim // 2, BLOCK=triton.next_power_of_2(dim), HEADS=per, num_warps=4 if per * dim > 512 else 1)
+        dq, dk, q, k, q_weight, k_weight, cos, sin, dq_x, dk_x, parts, dv if copy_v else dq, dv_x if copy_v else dq,
+        tokens, per_program, heads, kv_heads, q.stride(0), k.stride(0), dq.stride(0), dk.stride(0), dq_x.stride(0),
+        dk_x.stride(0), dv.stride(0) if copy_v else 0, dv_x.stride(0) if copy_v else 0, cos.stride(0), *eps,
+        HALF=dim // 2, BLOCK=triton.next_power_of_2(dim), HEADS=per, COPY_V=copy_v,
+        V_BLOCK=triton.next_power_of_2(kv_heads * dim) if copy_v else 1, num_warps=4 if per * dim > 512 else 1)
     return _sum_parts(parts, q_weight.dtype)  # both weights' gradients, one launch (each column summed alone)
 
 
@@ -157,9 +191,9 @@ class _QKNormRope(torch.autograd.Function):
 
 class _QKVNormRope(torch.autograd.Function):
     """The q/k/v projections over their joined weight (``unison.engine.fused_linear.pack_projections``) as one
-    GEMM, then ``_norm_rope`` on q's and k's column blocks of it; v is its last block. The backward writes q's and
-    k's input gradients and v's gradient side by side, so the input gradient and the three weights' gradients are a
-    GEMM each."""
+    GEMM, then ``_norm_rope`` on q's and k's column blocks of it, which also copies v's block out contiguous (the
+    attention kernels want it so). The backward kernel writes q's and k's input gradients and copies v's gradient
+    side by side, so the input gradient and the three weights' gradients are a GEMM each."""
 
     @staticmethod
     def forward(ctx, x, q_proj, k_proj, v_proj, q_weight, k_weight, eps_q, eps_k, cos, sin, dim):
@@ -168,7 +202,7 @@ class _QKVNormRope(torch.autograd.Function):
         q, k, v = _blocks(qkv, q_proj.shape[0], k_proj.shape[0], dim)
         ctx.save_for_backward(rows, qkv, q_proj, k_proj, v_proj, q_weight, k_weight, cos, sin)
         ctx.eps, ctx.dim, ctx.x_shape = (eps_q, eps_k), dim, x.shape
-        return *_norm_rope(q, k, q_weight, k_weight, eps_q, eps_k, cos, sin), v
+        return _norm_rope(q, k, q_weight, k_weight, eps_q, eps_k, cos, sin, v)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
@@ -177,10 +211,8 @@ class _QKVNormRope(torch.autograd.Function):
         d_qkv = torch.empty_like(qkv)
         q, k, _ = _blocks(qkv, nq, nk, dim)
         dq_x, dk_x, dv_x = _blocks(d_qkv, nq, nk, dim)
-        dw = _norm_rope_backward(dq, dk, q, k, q_weight, k_weight, ctx.eps, cos, sin, dq_x, dk_x)
-        if dv is not None:
-            dv_x.copy_(dv.reshape(dv_x.shape))
-        else:
+        dw = _norm_rope_backward(dq, dk, q, k, q_weight, k_weight, ctx.eps, cos, sin, dq_x, dk_x, dv, dv_x)
+        if dv is None:
             dv_x.zero_()
         dx = torch.mm(d_qkv, joined([q_proj, k_proj, v_proj])).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
         dwp = d_qkv.t().mm(rows) if any(ctx.needs_input_grad[1:4]) else None
@@ -210,8 +242,7 @@ def qkv_norm_rope(x: torch.Tensor, attn: torch.nn.Module, cos: torch.Tensor,
                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``qk_norm_rope`` of the attention's q and k projections of x, and its v projection, (T, heads, head_dim) each,
     as one GEMM each way (``_QKVNormRope``) where q_proj, k_proj and v_proj are plain bias-free ``nn.Linear`` layers
-    of x's dtype without hooks whose weights are laid out as one matrix; else None (the caller projects apart). v is
-    a view of the GEMM's output (its rows strided)."""
+    of x's dtype without hooks whose weights are laid out as one matrix; else None (the caller projects apart)."""
     linears = (attn.q_proj, attn.k_proj, attn.v_proj)
     if (not all(_plain_linear(m, x) for m in linears) or x.stride(-1) != 1 or cos.requires_grad or sin.requires_grad
             or module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks
