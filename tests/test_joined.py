@@ -66,9 +66,9 @@ def _logprobs_and_grads(model, row):
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
 def test_training_over_joined_weights_equals_the_projections_apart(build, monkeypatch):
     """Logprobs, entropies and every parameter's gradient as the unpacked model's through the same fused kernels:
-    Qwen3's q/k/v (with its q/k norms and RoPE) and every SwiGLU's gate/up as one GEMM each way."""
+    q/k/v (with RoPE, and Qwen3's q/k norms) and every SwiGLU's gate/up as one GEMM each way."""
     calls = {"qkv": 0, "gated": 0}
-    for module, name, key in ((fused_qk._QKVNormRope, "apply", "qkv"), (joined_mlp._GatedUp, "apply", "gated")):
+    for module, name, key in ((fused_qk._QKVRope, "apply", "qkv"), (joined_mlp._GatedUp, "apply", "gated")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _key=key: calls.__setitem__(_key, calls[_key] + 1)
                             or _real(*a))
@@ -79,7 +79,7 @@ def test_training_over_joined_weights_equals_the_projections_apart(build, monkey
     assert calls == {"qkv": 0, "gated": 0}
     got_logp, got_entropy, got_grads = _logprobs_and_grads(packed, row)
     layers = packed.config.num_hidden_layers
-    assert calls == {"qkv": layers if build is tiny_qwen3 else 0, "gated": layers}
+    assert calls == {"qkv": layers, "gated": layers}
     torch.testing.assert_close(got_logp, logp, rtol=0, atol=1e-6)
     torch.testing.assert_close(got_entropy, entropy, rtol=0, atol=1e-6)
     for name, grad in grads.items():

@@ -60,6 +60,9 @@ def test_training_kernels_compile_for_the_h200_and_the_a100(tmp_path: Path):
             _train_row(qwen3, cfg)
         _train_row(tiny_qwen3(dtype=torch.bfloat16), LOSSES[0])  # the projections apart
         _train_row(tiny_llama(dtype=torch.bfloat16), LOSSES[0])
+        llama = tiny_llama(dtype=torch.bfloat16)
+        pack_projections(llama)  # q/k/v joined without q/k norms
+        _train_row(llama, LOSSES[0])
     entries = list(specs.values())
     names = {e["name"] for e in entries}
     # the norms (and the residual add in them), RoPE, q/k norm + RoPE, SwiGLU (apart and joined), the lm_head
