@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_qwen3
+from conftest import tiny_llama, tiny_qwen3
 from test_logprobs import packed_row
 from transformers.models.qwen3 import modeling_qwen3
 
@@ -197,14 +197,15 @@ def test_loss_gradient_in_the_kernel_on_the_gpu(cfg):
         assert (got - exact).norm() <= 1e-3 * exact.norm() and exact.abs().max() > 0
 
 
-@pytest.mark.parametrize("joined", [False, True], ids=["apart", "joined"])
-def test_bf16_model_with_kernels_at_the_floor(joined):
+@pytest.mark.parametrize("build,joined", [(tiny_qwen3, False), (tiny_qwen3, True), (tiny_llama, True)],
+                         ids=["qwen3-apart", "qwen3-joined", "llama-joined"])
+def test_bf16_model_with_kernels_at_the_floor(build, joined):
     """A bf16 Qwen3 (q_norm/k_norm, GQA) packed forward and backward, with and without the kernels, against the
     same weights in fp32: the kernels' logprobs and gradients are no further from fp32 than transformers' are; with
-    q/k/v and gate/up ``joined`` (``pack_projections``, one GEMM each way) too."""
+    q/k/v and gate/up ``joined`` (``pack_projections``, one GEMM each way) too, and a joined Llama (no q/k norms)."""
     from unison.engine.fused_linear import pack_projections
 
-    ref = tiny_qwen3(vocab=2048).cuda()
+    ref = build(vocab=2048).cuda()
     model = copy.deepcopy(ref).bfloat16()
     if joined:
         assert pack_projections(model) == 2 * model.config.num_hidden_layers
