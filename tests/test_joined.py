@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_llama, tiny_qwen3
+from test_fused_train import _logprobs_and_grads
 from test_logprobs import packed_row
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -14,7 +15,6 @@ from unison.engine.fused_linear import joined, pack_projections
 from unison.train import fused_qk
 from unison.train import joined as joined_mlp
 from unison.train.checkpoint import save_hf_checkpoint
-from unison.train.logprobs import policy_logprobs
 
 pytest.importorskip("triton")
 
@@ -56,13 +56,6 @@ def test_biased_or_wrapped_projections_keep_their_own_weights():
     assert joined([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is None
 
 
-def _logprobs_and_grads(model, row):
-    model.zero_grad(set_to_none=True)
-    logp, entropy = policy_logprobs(model, row, temperature=0.7, chunk_size=6, with_entropy=True, kernels=True)
-    (logp * torch.linspace(-1.0, 1.0, logp.shape[0])).sum().backward()
-    return logp.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
 def test_training_over_joined_weights_equals_the_projections_apart(build, monkeypatch):
     """Logprobs, entropies and every parameter's gradient as the unpacked model's through the same fused kernels:
@@ -75,9 +68,9 @@ def test_training_over_joined_weights_equals_the_projections_apart(build, monkey
     apart, packed = build(vocab=128), build(vocab=128)
     pack_projections(packed)
     row = packed_row(apart.config.vocab_size)
-    logp, entropy, grads = _logprobs_and_grads(apart, row)
+    logp, entropy, grads = _logprobs_and_grads(apart, row, kernels=True)
     assert calls == {"qkv": 0, "gated": 0}
-    got_logp, got_entropy, got_grads = _logprobs_and_grads(packed, row)
+    got_logp, got_entropy, got_grads = _logprobs_and_grads(packed, row, kernels=True)
     layers = packed.config.num_hidden_layers
     assert calls == {"qkv": layers, "gated": layers}
     torch.testing.assert_close(got_logp, logp, rtol=0, atol=1e-6)
