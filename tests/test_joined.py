@@ -15,6 +15,7 @@ from unison.engine.fused_linear import joined, pack_projections
 from unison.train import fused_qk
 from unison.train import joined as joined_mlp
 from unison.train.checkpoint import save_hf_checkpoint
+from unison.train.logprobs import policy_logprobs
 
 pytest.importorskip("triton")
 
@@ -78,3 +79,34 @@ def test_training_over_joined_weights_equals_the_projections_apart(build, monkey
     for name, grad in grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
         assert grad.abs().max() > 0, name
+
+
+def _saved_bytes(model, row) -> int:
+    """The bytes of the distinct storages autograd keeps for the backward of a packed row's forward."""
+    storages = {}
+
+    def pack(t):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        policy_logprobs(model, row, temperature=0.7, chunk_size=6, kernels=True)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(n for ptr, n in storages.items() if ptr not in params)
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
+def test_joined_projections_keep_no_more_activations(build):
+    """What the backward keeps: no more than apart for a Llama (RoPE's backward reads nothing of [q | k | v]); for
+    Qwen3 (its q/k norms' backward reads q and k) at most v's contiguous copy a layer more."""
+    apart, packed = build(vocab=128), build(vocab=128)
+    pack_projections(packed)
+    row = packed_row(apart.config.vocab_size)
+    extra = _saved_bytes(packed, row) - _saved_bytes(apart, row)
+    cfg = apart.config
+    v_bytes = row.num_tokens * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads
+                                                          if build is tiny_llama else cfg.head_dim) * 4
+    assert extra <= (0 if build is tiny_llama else cfg.num_hidden_layers * v_bytes), (extra, v_bytes)

@@ -58,9 +58,8 @@ def _forward_kernel(Q, K, QW, KW, Cos, Sin, QO, KO, V, VO, n_tokens, q_heads, k_
                     stride_c, eps_q, eps_k, HALF: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr,
                     COPY_V: tl.constexpr, V_BLOCK: tl.constexpr, NORM: tl.constexpr = True):
     """One token, HEADS of its heads: rope(norm(x)) (rope(x) unless NORM) with transformers' roundings (the engine's
-    own function); with
-    ``COPY_V`` the token's first program also copies its v row (strided, a block of [q | k | v]) into VO, contiguous,
-    where attention kernels want it."""
+    own function); with ``COPY_V`` the token's first program also copies its v row (strided, a block of
+    [q | k | v]) into VO, contiguous, where attention kernels want it."""
     t = tl.program_id(0).to(tl.int64)
     if COPY_V:
         if tl.program_id(1) == 0:
@@ -222,7 +221,9 @@ class _QKVRope(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])
         qkv = torch.mm(rows, joined([q_proj, k_proj, v_proj]).t())
         q, k, v = _blocks(qkv, q_proj.shape[0], k_proj.shape[0], dim)
-        ctx.save_for_backward(rows, qkv, q_proj, k_proj, v_proj, q_weight, k_weight, cos, sin)
+        # the norms' backward reads q and k; RoPE's alone reads neither (then nothing of [q | k | v] is kept)
+        ctx.save_for_backward(rows, qkv if q_weight is not None else None, q_proj, k_proj, v_proj, q_weight, k_weight,
+                              cos, sin)
         ctx.eps, ctx.dim, ctx.x_shape = (eps_q, eps_k), dim, x.shape
         return _norm_rope(q, k, q_weight, k_weight, eps_q, eps_k, cos, sin, v)
 
@@ -230,9 +231,9 @@ class _QKVRope(torch.autograd.Function):
     def backward(ctx, dq, dk, dv):
         rows, qkv, q_proj, k_proj, v_proj, q_weight, k_weight, cos, sin = ctx.saved_tensors
         dim, nq, nk = ctx.dim, q_proj.shape[0], k_proj.shape[0]
-        d_qkv = torch.empty_like(qkv)
-        q, k, _ = _blocks(qkv, nq, nk, dim)
+        d_qkv = rows.new_empty(rows.shape[0], nq + nk + v_proj.shape[0])
         dq_x, dk_x, dv_x = _blocks(d_qkv, nq, nk, dim)
+        q, k, _ = _blocks(qkv, nq, nk, dim) if qkv is not None else (dq_x, dk_x, None)  # (unread without norms)
         dw = _norm_rope_backward(dq, dk, q, k, q_weight, k_weight, ctx.eps, cos, sin, dq_x, dk_x, dv, dv_x)
         if dv is None:
             dv_x.zero_()
