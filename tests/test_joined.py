@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_llama, tiny_qwen3
 from test_fused_train import _logprobs_and_grads
 from test_logprobs import packed_row
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from unison.engine.fused_linear import joined, pack_projections
 from unison.train import fused_qk
@@ -47,17 +47,39 @@ def test_packing_keeps_the_parameters_and_their_values(build, tmp_path):
         assert torch.equal(state[name], value), name
 
 
-def test_biased_or_wrapped_projections_keep_their_own_weights():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, attention_bias=True)
-    model = LlamaForCausalLM(cfg)
-    assert pack_projections(model) == 1  # the MLP; the biased q/k/v stay apart
+def tiny_qwen2(seed: int = 0, vocab: int = 256) -> Qwen2ForCausalLM:
+    """Qwen2's attention: biased q/k/v, no q/k norms."""
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = Qwen2ForCausalLM._from_config(cfg, attn_implementation="unison", dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # zero-initialised biases would not show a bias gradient gone astray
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_()
+    return model
+
+
+def test_biases_are_joined_and_wrapped_projections_keep_their_own_weights():
+    model = tiny_qwen2()
     attn = model.model.layers[0].self_attn
+    biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+    values = torch.cat([b.detach() for b in biases])
+    assert pack_projections(model) == 2 * model.config.num_hidden_layers
+    assert torch.equal(joined(biases), values)
+
+    class Wrapped(torch.nn.Linear):  # as a LoRA layer or a tensor-parallel shard: not a plain nn.Linear
+        pass
+
+    model = tiny_llama()
+    attn = model.model.layers[0].self_attn
+    wrapped = Wrapped(attn.k_proj.in_features, attn.k_proj.out_features, bias=False)
+    attn.k_proj = wrapped
+    assert pack_projections(model) == 2 * model.config.num_hidden_layers - 1  # that layer's MLP is laid out
     assert joined([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is None
 
 
-@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2, tiny_qwen3], ids=["llama", "qwen2", "qwen3"])
 def test_training_over_joined_weights_equals_the_projections_apart(build, monkeypatch):
     """Logprobs, entropies and every parameter's gradient as the unpacked model's through the same fused kernels:
     q/k/v (with RoPE, and Qwen3's q/k norms) and every SwiGLU's gate/up as one GEMM each way."""
@@ -98,7 +120,7 @@ def _saved_bytes(model, row) -> int:
     return sum(n for ptr, n in storages.items() if ptr not in params)
 
 
-@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2, tiny_qwen3], ids=["llama", "qwen2", "qwen3"])
 def test_joined_projections_keep_no_more_activations(build):
     """What the backward keeps: no more than apart for a Llama (RoPE's backward reads nothing of [q | k | v]); for
     Qwen3 (its q/k norms' backward reads q and k) at most v's contiguous copy a layer more."""
@@ -107,6 +129,5 @@ def test_joined_projections_keep_no_more_activations(build):
     row = packed_row(apart.config.vocab_size)
     extra = _saved_bytes(packed, row) - _saved_bytes(apart, row)
     cfg = apart.config
-    v_bytes = row.num_tokens * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads
-                                                          if build is tiny_llama else cfg.head_dim) * 4
-    assert extra <= (0 if build is tiny_llama else cfg.num_hidden_layers * v_bytes), (extra, v_bytes)
+    v_bytes = row.num_tokens * cfg.num_key_value_heads * apart.model.layers[0].self_attn.head_dim * 4
+    assert extra <= (cfg.num_hidden_layers * v_bytes if build is tiny_qwen3 else 0), (extra, v_bytes)

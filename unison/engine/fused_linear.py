@@ -208,47 +208,50 @@ def fused_projections(model: torch.nn.Module, modules: list[torch.nn.Module] | N
 
 
 def pack_projections(model: torch.nn.Module) -> int:
-    """Lays out each known attention's q/k/v weights, and each SwiGLU MLP's gate/up weights, as consecutive rows of
-    one matrix: the parameters stay the same objects with the same values, their data now views of one buffer. A
-    projection that shares its input with the others then runs as one GEMM over all of them, forward and backward
-    (``joined``; the trainer's ``unison.train.fused`` and ``unison.train.fused_qk``), where three (or two) ran.
-    Plain bias-free ``nn.Linear`` groups only (a LoRA layer, a tensor-parallel shard keep their own). Call it on
-    the model in its final place, before anything records its weights' addresses (the engine, the optimizer).
-    Returns the number of groups laid out."""
+    """Lays out each known attention's q/k/v weights (and their biases, Qwen2's), and each SwiGLU MLP's gate/up
+    weights, as consecutive rows of one matrix: the parameters stay the same objects with the same values, their data
+    now views of one buffer. A projection that shares its input with the others then runs as one GEMM over all of
+    them, forward and backward (``joined``; the trainer's ``unison.train.joined`` and ``unison.train.fused_qk``),
+    where three (or two) ran. Plain ``nn.Linear`` groups only (a LoRA layer, a tensor-parallel shard keep their own;
+    an MLP's only without biases). Call it on the model in its final place, before anything records its weights'
+    addresses (the engine, the optimizer). Returns the number of groups laid out."""
     modules = list(model.modules())
     groups = [[m.q_proj, m.k_proj, m.v_proj] for m in modules if _qkv_class(type(m))]
-    groups += [[m.gate_proj, m.up_proj] for m in swiglu_mlps(model, modules)]
+    groups += [[m.gate_proj, m.up_proj] for m in swiglu_mlps(model, modules) if m.gate_proj.bias is None]
     packed = 0
     for linears in groups:
-        weights = [m.weight for m in linears]
-        if not _plain(linears) or linears[0].bias is not None or joined(weights) is not None:
+        if not _plain(linears) or joined([m.weight for m in linears]) is not None:
             continue
-        buffer = torch.empty(sum(w.shape[0] for w in weights), weights[0].shape[1], dtype=weights[0].dtype,
-                             device=weights[0].device)
-        start = 0
-        with torch.no_grad():
-            for w in weights:
-                rows = buffer[start:start + w.shape[0]]
-                rows.copy_(w)
-                w.data = rows
-                start += w.shape[0]
+        for name in ("weight", "bias") if linears[0].bias is not None else ("weight",):
+            _lay_out([getattr(m, name) for m in linears])
         packed += 1
     return packed
 
 
-def joined(weights: list[torch.Tensor]) -> torch.Tensor | None:
-    """The 2-D ``weights`` as one matrix (their rows one after another, no copy) where they lie so in one storage
-    (``pack_projections``), else None."""
-    first = weights[0]
-    if first.dim() != 2:
-        return None
-    width, offset, storage = first.shape[1], first.storage_offset(), first.untyped_storage().data_ptr()
-    for w in weights:
-        if (w.dim() != 2 or w.shape[1] != width or w.dtype != first.dtype or not w.is_contiguous()
-                or w.storage_offset() != offset or w.untyped_storage().data_ptr() != storage):
+def _lay_out(tensors: list[torch.Tensor]) -> None:
+    """Each tensor's data becomes a view of one new buffer holding them one after another (values kept)."""
+    first = tensors[0]
+    buffer = torch.empty(sum(t.shape[0] for t in tensors), *first.shape[1:], dtype=first.dtype, device=first.device)
+    start = 0
+    with torch.no_grad():
+        for t in tensors:
+            rows = buffer[start:start + t.shape[0]]
+            rows.copy_(t)
+            t.data = rows
+            start += t.shape[0]
+
+
+def joined(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The weights (or biases) as one matrix (vector), their rows one after another, no copy, where they lie so in
+    one storage (``pack_projections``), else None."""
+    first = tensors[0]
+    rest, offset, storage = first.shape[1:], first.storage_offset(), first.untyped_storage().data_ptr()
+    for t in tensors:
+        if (t.shape[1:] != rest or t.dtype != first.dtype or not t.is_contiguous() or t.storage_offset() != offset
+                or t.untyped_storage().data_ptr() != storage):
             return None
-        offset += w.numel()
-    return first.detach().as_strided((sum(w.shape[0] for w in weights), width), (width, 1))
+        offset += t.numel()
+    return first.detach().as_strided((sum(t.shape[0] for t in tensors), *rest), first.stride())
 
 
 def swap_forward(stack: ExitStack, module: torch.nn.Module, forward) -> None:

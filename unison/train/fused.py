@@ -292,8 +292,11 @@ def shared_input(x: torch.Tensor, *linears: torch.nn.Module) -> tuple[torch.Tens
     return tuple(m(x) for m in linears)
 
 
-def _plain_linear(m: torch.nn.Module, x: torch.Tensor) -> bool:
-    return (type(m) is torch.nn.Linear and m.bias is None and type(m.weight.data) is torch.Tensor
+def _plain_linear(m: torch.nn.Module, x: torch.Tensor, biased: bool = False) -> bool:
+    """An ``nn.Linear`` of x's dtype and device running its own forward without hooks; bias-free unless ``biased``
+    (then a bias of x's dtype, if any)."""
+    return (type(m) is torch.nn.Linear and (m.bias is None or (biased and m.bias.dtype == x.dtype))
+            and type(m.weight.data) is torch.Tensor
             and m.weight.dtype == x.dtype and m.weight.device == x.device and "forward" not in m.__dict__
             and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks))
 

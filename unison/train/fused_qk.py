@@ -16,8 +16,9 @@ the attention's own forward.
 Where q_proj, k_proj and v_proj are laid out as one matrix (``unison.engine.fused_linear.pack_projections``, as
 ``load_policy`` loads a model), they run as one GEMM each way (``qkv_rope``): the kernel reads q and k as column
 blocks of its output and copies v's block out contiguous; its backward writes q's and k's input gradients and v's
-gradient side by side, so that the input gradient and the three weights' gradients are one GEMM each. Llama-form
-attentions without q/k norms run so too (the kernel without its norms), where their weights are joined.
+gradient side by side, so that the input gradient and the three weights' gradients are one GEMM each (their biases',
+Qwen2's, one sum). Llama-form attentions without q/k norms run so too (the kernel without its norms), where their
+weights are joined.
 """
 
 from __future__ import annotations
@@ -217,9 +218,12 @@ class _QKVRope(torch.autograd.Function):
     are a GEMM each."""
 
     @staticmethod
-    def forward(ctx, x, q_proj, k_proj, v_proj, q_weight, k_weight, eps_q, eps_k, cos, sin, dim):
+    def forward(ctx, x, q_proj, k_proj, v_proj, q_bias, k_bias, v_bias, q_weight, k_weight, eps_q, eps_k, cos, sin,
+                dim):
         rows = x.reshape(-1, x.shape[-1])
-        qkv = torch.mm(rows, joined([q_proj, k_proj, v_proj]).t())
+        weight = joined([q_proj, k_proj, v_proj]).t()
+        qkv = torch.addmm(joined([q_bias, k_bias, v_bias]), rows, weight) if q_bias is not None else rows.mm(weight)
+        ctx.biased = q_bias is not None
         q, k, v = _blocks(qkv, q_proj.shape[0], k_proj.shape[0], dim)
         # the norms' backward reads q and k; RoPE's alone reads neither (then nothing of [q | k | v] is kept)
         ctx.save_for_backward(rows, qkv if q_weight is not None else None, q_proj, k_proj, v_proj, q_weight, k_weight,
@@ -240,8 +244,10 @@ class _QKVRope(torch.autograd.Function):
         dx = torch.mm(d_qkv, joined([q_proj, k_proj, v_proj])).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
         dwp = d_qkv.t().mm(rows) if any(ctx.needs_input_grad[1:4]) else None
         proj = (dwp[:nq], dwp[nq:nq + nk], dwp[nq + nk:]) if dwp is not None else (None, None, None)
+        dbp = d_qkv.sum(0) if ctx.biased and any(ctx.needs_input_grad[4:7]) else None
+        bias = (dbp[:nq], dbp[nq:nq + nk], dbp[nq + nk:]) if dbp is not None else (None, None, None)
         norms = (dw[:dim], dw[dim:]) if dw is not None else (None, None)
-        return dx, *proj, *norms, None, None, None, None, None
+        return dx, *proj, *bias, *norms, None, None, None, None, None
 
 
 def _blocks(qkv: torch.Tensor, nq: int, nk: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -265,25 +271,27 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm: torch.nn.Module, k_no
 def qkv_rope(x: torch.Tensor, attn: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor,
              norms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """rope(q_norm(q)), rope(k_norm(k)) (without the norms unless ``norms``) of the attention's q and k projections
-    of x, and its v projection, (T, heads, head_dim) each, as one GEMM each way (``_QKVRope``) where q_proj, k_proj
-    and v_proj are plain bias-free ``nn.Linear`` layers of x's dtype without hooks whose weights are laid out as one
-    matrix; else None (the caller projects apart)."""
+    of x, and its v projection, (T, heads, head_dim) each, as one GEMM each way (``_QKVRope``) where ``joinable``;
+    else None (the caller projects apart)."""
     linears = (attn.q_proj, attn.k_proj, attn.v_proj)
     if not joinable(attn, x) or cos.requires_grad or sin.requires_grad:
         return None
     weights, eps = ((attn.q_norm.weight, attn.k_norm.weight),
                     (attn.q_norm.variance_epsilon, attn.k_norm.variance_epsilon)) if norms else ((None, None), (0, 0))
-    return _QKVRope.apply(x, *(m.weight for m in linears), *weights, *eps, cos, sin, attn.head_dim)
+    return _QKVRope.apply(x, *(m.weight for m in linears), *(m.bias for m in linears), *weights, *eps, cos, sin,
+                          attn.head_dim)
 
 
 def joinable(attn: torch.nn.Module, x: torch.Tensor | None = None) -> bool:
-    """Whether the attention's q/k/v are plain bias-free ``nn.Linear`` layers (of x's dtype, given x) without hooks
-    whose weights are laid out as one matrix."""
+    """Whether the attention's q/k/v are plain ``nn.Linear`` layers (of x's dtype, given x) without hooks whose
+    weights, and biases if any (Qwen2's), are laid out as one matrix (one vector)."""
     linears = (attn.q_proj, attn.k_proj, attn.v_proj)
     x = x if x is not None else attn.q_proj.weight
-    return (all(_plain_linear(m, x) for m in linears) and x.stride(-1) == 1
+    biases = [m.bias for m in linears]
+    return (all(_plain_linear(m, x, biased=True) for m in linears) and x.stride(-1) == 1
             and not (module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks)
-            and joined([m.weight for m in linears]) is not None)
+            and joined([m.weight for m in linears]) is not None
+            and (all(b is None for b in biases) or (None not in biases and joined(biases) is not None)))
 
 
 def _covered(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: torch.nn.Module, norms: bool) -> bool:
