@@ -310,8 +310,10 @@ def _attention_forward(attn: torch.nn.Module, window: str | None, norms: bool):
     def forward(hidden_states, *args, **kwargs):
         cos, sin = kwargs.get("position_embeddings") or (None, None)
         if (args or cos is None or kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
-                or "paged" in kwargs or not _covered(hidden_states, cos, sin, attn, norms)
-                or not (norms or joinable(attn, hidden_states))):
+                or "paged" in kwargs or not _covered(hidden_states, cos, sin, attn, norms)):
+            return original(hidden_states, *args, **kwargs)
+        projected = qkv_rope(hidden_states, attn, cos[0], sin[0], norms)
+        if projected is None and not norms:  # nothing of this forward's own to run
             return original(hidden_states, *args, **kwargs)
         rest = {k: v for k, v in kwargs.items()
                 if k not in ("position_embeddings", "attention_mask", "cache", "past_key_values")}
@@ -319,7 +321,6 @@ def _attention_forward(attn: torch.nn.Module, window: str | None, norms: bool):
             rest["sliding_window"] = attn.sliding_window if window == "layer" else \
                 getattr(attn.config, "sliding_window", None)
         n = hidden_states.shape[1]
-        projected = qkv_rope(hidden_states, attn, cos[0], sin[0], norms)
         if projected is not None:  # one GEMM each way over the joined weights (pack_projections)
             q, k, v = projected
             v = v[None].transpose(1, 2)
