@@ -162,10 +162,14 @@ def test_fused_projections_swap_and_restore(make, on_cpu, monkeypatch):
             assert "forward" not in module.__dict__
 
 
-def test_engine_decodes_through_the_fused_projections(on_cpu, monkeypatch):
-    """The decode runner's graphs (eager here) run both kernels: the engine's logprobs stay teacher-forced ones."""
+@pytest.mark.parametrize("joined", [False, True], ids=["apart", "joined"])
+def test_engine_decodes_through_the_fused_projections(joined, on_cpu, monkeypatch):
+    """The decode runner's graphs (eager here) run both kernels: the engine's logprobs stay teacher-forced ones, with
+    the weights apart or laid out as one matrix a group (``pack_projections``, as ``load_policy`` loads them)."""
     calls = count_calls(monkeypatch, fused_linear, ["project", "gated"])
     model = tiny_qwen3()
+    if joined:
+        assert fused_linear.pack_projections(model) == 2 * model.config.num_hidden_layers
     engine = Engine(model, EngineConfig(num_blocks=64, block_size=4, seed=0, attention="triton", max_num_seqs=4))
     done = engine.generate(random_prompts([5, 9]), SamplingParams(max_new_tokens=6, stop_token_ids=()))
     assert engine.stats()["graph_steps"] >= 4
