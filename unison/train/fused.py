@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..engine import fused_norm, fused_rope
+from ..engine.fused_linear import joined
 from ..engine.fused_linear import swiglu_mlps as fused_mlps
 
 _ACTIVE = "_unison_fused_training"
@@ -286,10 +287,23 @@ def shared_input(x: torch.Tensor, *linears: torch.nn.Module) -> tuple[torch.Tens
     """``tuple(m(x) for m in linears)``; through ``_SharedInput`` where each is a plain bias-free ``nn.Linear`` of
     x's dtype running its own forward without hooks (a LoRA layer, a tensor-parallel shard's swapped forward or a
     hooked module runs as itself)."""
-    if all(_plain_linear(m, x) for m in linears) and not (module_hooks._global_forward_hooks
-                                                         or module_hooks._global_forward_pre_hooks):
+    if _plain_group(linears, x):
         return _SharedInput.apply(x, *(m.weight for m in linears))
     return tuple(m(x) for m in linears)
+
+
+def _plain_group(linears, x: torch.Tensor, biased: bool = False) -> bool:
+    """Each a ``_plain_linear`` and no global module hook set: their forwards may be computed together."""
+    return all(_plain_linear(m, x, biased) for m in linears) and not (module_hooks._global_forward_hooks
+                                                                      or module_hooks._global_forward_pre_hooks)
+
+
+def joinable(linears, x: torch.Tensor, biased: bool = False) -> bool:
+    """A ``_plain_group`` whose weights, and biases if any (``biased``), are laid out as one matrix (one vector:
+    ``unison.engine.fused_linear.pack_projections``), and x's rows contiguous: one GEMM computes them all."""
+    biases = [m.bias for m in linears]
+    return (_plain_group(linears, x, biased) and x.stride(-1) == 1 and joined([m.weight for m in linears]) is not None
+            and (all(b is None for b in biases) or (None not in biases and joined(biases) is not None)))
 
 
 def _plain_linear(m: torch.nn.Module, x: torch.Tensor, biased: bool = False) -> bool:

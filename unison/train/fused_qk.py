@@ -27,14 +27,13 @@ import sys
 from contextlib import ExitStack, contextmanager
 
 import torch
-import torch.nn.modules.module as module_hooks
 import triton
 import triton.language as tl
 
 from ..engine.fused_layer import attention_form, normed_rope
 from ..engine.fused_linear import joined, swap_forward
 from ..engine.fused_norm import fusable
-from .fused import _multiprocessors, _plain_linear, _sum_parts, shared_input
+from .fused import _multiprocessors, _sum_parts, joinable, shared_input
 
 
 @triton.jit
@@ -271,10 +270,10 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm: torch.nn.Module, k_no
 def qkv_rope(x: torch.Tensor, attn: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor,
              norms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """rope(q_norm(q)), rope(k_norm(k)) (without the norms unless ``norms``) of the attention's q and k projections
-    of x, and its v projection, (T, heads, head_dim) each, as one GEMM each way (``_QKVRope``) where ``joinable``;
+    of x, and its v projection, (T, heads, head_dim) each, as one GEMM each way (``_QKVRope``) where ``qkv_joinable``;
     else None (the caller projects apart)."""
     linears = (attn.q_proj, attn.k_proj, attn.v_proj)
-    if not joinable(attn, x) or cos.requires_grad or sin.requires_grad:
+    if not qkv_joinable(attn, x) or cos.requires_grad or sin.requires_grad:
         return None
     weights, eps = ((attn.q_norm.weight, attn.k_norm.weight),
                     (attn.q_norm.variance_epsilon, attn.k_norm.variance_epsilon)) if norms else ((None, None), (0, 0))
@@ -282,16 +281,10 @@ def qkv_rope(x: torch.Tensor, attn: torch.nn.Module, cos: torch.Tensor, sin: tor
                           attn.head_dim)
 
 
-def joinable(attn: torch.nn.Module, x: torch.Tensor | None = None) -> bool:
+def qkv_joinable(attn: torch.nn.Module, x: torch.Tensor | None = None) -> bool:
     """Whether the attention's q/k/v are plain ``nn.Linear`` layers (of x's dtype, given x) without hooks whose
     weights, and biases if any (Qwen2's), are laid out as one matrix (one vector)."""
-    linears = (attn.q_proj, attn.k_proj, attn.v_proj)
-    x = x if x is not None else attn.q_proj.weight
-    biases = [m.bias for m in linears]
-    return (all(_plain_linear(m, x, biased=True) for m in linears) and x.stride(-1) == 1
-            and not (module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks)
-            and joined([m.weight for m in linears]) is not None
-            and (all(b is None for b in biases) or (None not in biases and joined(biases) is not None)))
+    return joinable((attn.q_proj, attn.k_proj, attn.v_proj), x if x is not None else attn.q_proj.weight, biased=True)
 
 
 def _covered(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: torch.nn.Module, norms: bool) -> bool:
@@ -351,7 +344,7 @@ def training_attentions(modules: list[torch.nn.Module]):
             if form is None:
                 continue
             norms = form[0]
-            if (fusable(module.q_norm) and fusable(module.k_norm)) if norms else joinable(module):
+            if (fusable(module.q_norm) and fusable(module.k_norm)) if norms else qkv_joinable(module):
                 swap_forward(stack, module, _attention_forward(module, form[1], norms))
                 switched += 1
         yield switched

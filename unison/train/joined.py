@@ -11,12 +11,11 @@ q/k norms do the same in ``unison.train.fused_qk``.
 from __future__ import annotations
 
 import torch
-import torch.nn.modules.module as module_hooks
 import triton
 import triton.language as tl
 
 from ..engine.fused_linear import joined
-from .fused import _plain_linear, swiglu, swiglu_backward
+from .fused import joinable, swiglu, swiglu_backward
 
 BLOCK = 1024
 
@@ -79,8 +78,4 @@ def gated_up(x: torch.Tensor, mlp: torch.nn.Module) -> torch.Tensor | None:
     ``nn.Linear`` layers of x's dtype without hooks whose weights are laid out as one matrix; else None (the caller
     runs them apart)."""
     gate, up = mlp.gate_proj, mlp.up_proj
-    if (not _plain_linear(gate, x) or not _plain_linear(up, x) or x.stride(-1) != 1
-            or module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks
-            or joined([gate.weight, up.weight]) is None):
-        return None
-    return _GatedUp.apply(x, gate.weight, up.weight)
+    return _GatedUp.apply(x, gate.weight, up.weight) if joinable([gate, up], x) else None
