@@ -122,6 +122,9 @@ def test_auto_row_tokens_takes_the_longest_row_that_fits():
 
     fits_8192 = (base + 8192 * per_token) / 0.85
     fits_16384 = (base + 16384 * per_token) / 0.85
+    fits_24576 = (base + 24576 * per_token) / 0.85
+    assert auto_row_tokens(on(fits_24576 * 1.01), 600) == 24576
+    assert auto_row_tokens(on(fits_24576 * 0.99), 600) == 16384
     assert auto_row_tokens(on(fits_16384 * 1.01), 600) == 16384
     assert auto_row_tokens(on(fits_16384 * 0.99), 600) == 8192
     assert auto_row_tokens(on(fits_8192 * 1.01), 600) == 8192
@@ -183,3 +186,24 @@ def test_auto_lends_the_kv_pool_only_where_the_plan_needs_it():
     plan_for, asked = plans(50.0, 8192)
     assert choose_lending("never", False, plan_for)[:1] == (False,) and asked == [False]
     assert MemoryConfig(lend_kv="auto").lends(torch.device("cpu")) is False
+
+
+def test_activation_estimate_counts_the_attention_widths():
+    """Qwen3's attention is wider than its hidden size (0.6B: 16 x 128 query and 8 x 128 key/value heads at 1024):
+    the estimate counts q, k, v, v's copy and the output at their own widths (an H200's measured GRPO peaks grew
+    40.3 and 72.1 KiB a token a layer at 0.6B and 1.7B; the hidden-size-only estimate said 30 and 60)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    def activations(head_dim: int, **shape) -> float:
+        cfg = Qwen3Config(**{**dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2), **shape}, head_dim=head_dim)
+        with torch.device("meta"):
+            model = Qwen3ForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+        rows = {what: gib for what, gib, _ in plan_memory(model, 0, True, False, 1024, 64, False).rows}
+        return rows["activations (estimate)"] * 2**30
+
+    # per token and layer: q (4 heads) and k, v, v's copy (2 heads each) at head_dim, bf16
+    assert activations(64) - activations(16) == 1024 * 2 * 2 * (4 + 3 * 2) * (64 - 16)
+    qwen3_06b = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                     num_attention_heads=16, num_key_value_heads=8)
+    assert activations(128, **qwen3_06b) / 1024 / 28 == 40 * 1024  # bytes a token a layer

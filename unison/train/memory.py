@@ -121,9 +121,15 @@ def plan_memory(model: torch.nn.Module, kv_pool_bytes: int, optimizer_on_gpu: bo
     elt = next(iter(params)).element_size()
     hidden, layers = text.hidden_size, text.num_hidden_layers
     inter = getattr(text, "intermediate_size", 4 * hidden)
-    # Saved for backward per token per layer, roughly: the layer's inputs and norms, q/k/v, attention output,
-    # and the MLP's gate, up and product. With checkpointing: the layer input, plus one layer recomputed.
-    per_token_layer = elt * (6 * hidden + 3 * inter)
+    heads = getattr(text, "num_attention_heads", None) or 1
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    kv_width = (getattr(text, "num_key_value_heads", None) or heads) * head_dim
+    # Saved for backward per token per layer, roughly: the layer's inputs and norms, the MLP's gate, up and product,
+    # and the attention's q, k, v (and v's copy: unison.train.fused_qk) and output. With checkpointing: the layer
+    # input, plus one layer recomputed. The GRPO loop's peak grew by 40.3 KiB (Qwen3-0.6B) and 72.1 KiB (1.7B) a
+    # token a layer of longer rows on an H200 (bench/results/h200/speed/rows): 40 and 70 here (30 and 60 without
+    # the attention's own widths, which Qwen3's 16 x 128 query and 8 x 128 key/value heads make wider than hidden).
+    per_token_layer = elt * (6 * hidden + 3 * inter + heads * head_dim + 3 * kv_width)
     activations = max_tokens_per_row * (layers * (elt * hidden if activation_checkpointing else per_token_layer)
                                         + (per_token_layer if activation_checkpointing else 0))
     gib = 2**30
@@ -166,7 +172,7 @@ def _reference_row(model: torch.nn.Module, weights: int, on_host: bool) -> tuple
     return ("reference model", on_device / gib, f"{weights / gib:.2f} GiB in pinned host memory, a layer at a time")
 
 
-AUTO_ROW_TOKENS = (16384, 8192, 4096, 2048)
+AUTO_ROW_TOKENS = (24576, 16384, 8192, 4096, 2048)
 AUTO_DEVICE_FRACTION = 0.85
 LEND_FOR_ROWS = 8192
 """The longest rows worth lending the KV pool for: lending costs ~0.15 s a step at 1.7B on an H200
@@ -183,8 +189,11 @@ def auto_row_tokens(plan_for: Callable[[int], MemoryPlan], longest_sample: int) 
     short rows leave the step bound by kernel launches; with the fused training kernels, 1.02 and 0.95 s (0.63 and
     0.55 s at 0.6B: bench/results/h200/speed). Rows of 32768 gained nothing more once the optimizer
     step took one launch (0.6B: 0.428 s at 16384, 0.435 at 32768; 1.7B: 0.879 and 0.888 s), and the 1.7B loop then
-    peaked at 118 of the H200's 139 GiB (bench/results/h200/speed/optimizer). Without a GPU the plan has no device
-    size: 4096."""
+    peaked at 118 of the H200's 139 GiB (bench/results/h200/speed/optimizer). With a row's launches cut to ~800
+    (bench/results/cpu/train_launches), longer rows paid again: the 0.6B step took 0.341 s in rows of 16384, 0.316 s
+    in rows of 24576 and 0.305 s in one row of 36864; its GRPO loop's training phase 0.35-0.37, 0.32 and 0.31 s, the
+    1.7B's 0.73 and 0.69 s at a peak of 89 and 105 GiB (bench/results/h200/speed/rows). Without a GPU the plan has
+    no device size: 4096."""
     plans = {tokens: plan_for(tokens) for tokens in AUTO_ROW_TOKENS}
     if plans[AUTO_ROW_TOKENS[0]].device_gib is None:
         return max(4096, longest_sample)
