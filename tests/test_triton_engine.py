@@ -3,6 +3,8 @@ and the static-buffer decode runner (padding rows, scratch block) that CUDA grap
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from conftest import max_logprob_diff, random_prompts, tiny_llama, tiny_qwen3
@@ -13,7 +15,7 @@ pytest.importorskip("triton")
 
 from unison.engine.fused_norm import fused_norms  # noqa: E402
 from unison.engine.fused_rope import fused_rope, rope  # noqa: E402
-from unison.engine.graphs import batch_ladder  # noqa: E402
+from unison.engine.graphs import batch_ladder, no_collection  # noqa: E402
 from unison.engine.triton_attention import num_splits, paged_decode, pipeline_stages  # noqa: E402
 from unison.engine.triton_sampler import FusedSampler, fused_sample  # noqa: E402
 
@@ -102,6 +104,47 @@ def test_split_count_heuristic():
     assert num_splits(4, 8, 100, 132) == 1  # ...but never below 256 keys a split
     assert batch_ladder(256)[:6] == [1, 2, 4, 8, 16, 24] and batch_ladder(256)[-1] == 256
     assert batch_ladder(5) == [1, 2, 4, 5]
+
+
+class _Cycle:
+    """Cyclic garbage whose finalizer says whether it ran inside a ``no_collection`` block (GC off)."""
+
+    def __init__(self, seen: list):
+        self.me, self.seen = self, seen
+
+    def __del__(self):
+        self.seen.append(gc.isenabled())
+
+
+def test_no_collection_collects_first_and_pauses_the_collector():
+    """The decode graphs capture inside ``no_collection``: cyclic garbage made before is finalized on entry, garbage
+    made inside is not finalized inside (a finalizer during a capture can invalidate it: Triton unloads a kernel's
+    module), and the collector's state comes back, an exception's way out too."""
+    seen: list = []
+    _Cycle(seen)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 10**6, 10**6)  # the youngest generation on every allocation while enabled
+    try:
+        with no_collection():
+            assert seen == [True] and not gc.isenabled()  # the old garbage went first, with the collector on
+            for _ in range(100):
+                _Cycle(seen)
+                [object() for _ in range(10)]
+            assert seen == [True]
+        assert gc.isenabled()
+        gc.collect()
+        assert len(seen) == 101 and all(seen)
+        with pytest.raises(RuntimeError), no_collection():
+            raise RuntimeError("capture failed")
+        assert gc.isenabled()
+        gc.disable()
+        with no_collection():
+            pass
+        assert not gc.isenabled()  # a caller's own pause is kept
+        gc.enable()
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.enable()
 
 
 def triton_engine(model, **kw) -> Engine:

@@ -22,6 +22,7 @@ engine's overlapped decode, ``EngineConfig.async_scheduling``); that step's inpu
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
@@ -52,6 +53,25 @@ def fused_kernels(decoder: torch.nn.Module):
     with (fused_norms(decoder, modules=modules), fused_rope(decoder, modules=modules),
           fused_projections(decoder, modules), fused_layers(decoder)):
         yield
+
+
+@contextmanager
+def no_collection():
+    """Python's cyclic garbage collected now and not again until the block ends: a CUDA graph captures inside it.
+
+    A finalizer that runs during a capture may call what capturing forbids, and the capture ends invalidated
+    (cudaErrorStreamCaptureInvalidated): Triton's ``CompiledKernel.__del__`` unloads its CUDA module, and cyclic
+    garbage is collected whenever allocations pass the collector's threshold. A GRPO run's first decode capture
+    ended so once, on a fresh H200 machine (issue 23's notes; not reproduced: a finalizer is the cause found, not
+    one seen). Triton's own ``cuda_graph_without_gc`` does the same."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def batch_ladder(max_batch: int) -> list[int]:
@@ -180,7 +200,7 @@ class DecodeRunner:
         torch.cuda.current_stream().wait_stream(side)
         first.record_stream(torch.cuda.current_stream())  # read there (sampling) after the side stream made it
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
+        with no_collection(), torch.cuda.graph(graph, pool=self.mempool):
             logits = forward()
         self.num_captured += 1
         return (graph, logits, states), first
