@@ -239,7 +239,9 @@ def run_shape(shape: str, gpu: int | None, args, results: dict, save) -> None:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         print(f"[{shape} {system}] exit {proc.returncode} after {time.perf_counter() - t0:.0f} s", flush=True)
         if proc.returncode:
-            entry[system] = {"error": (proc.stderr or proc.stdout)[-1500:]}
+            with open(out + ".log", "w") as f:  # the whole of it: the tail below may miss the first error
+                f.write(proc.stdout + proc.stderr)
+            entry[system] = {"error": (proc.stderr or proc.stdout)[-1500:], "log": out + ".log"}
             print(entry[system]["error"], flush=True)
             continue
         with open(out) as f:
