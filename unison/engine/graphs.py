@@ -57,14 +57,14 @@ def fused_kernels(decoder: torch.nn.Module):
 
 @contextmanager
 def no_collection():
-    """Python's cyclic garbage collected now and not again until the block ends: a CUDA graph captures inside it.
+    """Python's cyclic garbage collector off until the block ends: a CUDA graph captures inside it.
 
     A finalizer that runs during a capture may call what capturing forbids, and the capture ends invalidated
     (cudaErrorStreamCaptureInvalidated): Triton's ``CompiledKernel.__del__`` unloads its CUDA module, and cyclic
     garbage is collected whenever allocations pass the collector's threshold. A GRPO run's first decode capture
     ended so once, on a fresh H200 machine (issue 23's notes; not reproduced: a finalizer is the cause found, not
-    one seen). Triton's own ``cuda_graph_without_gc`` does the same."""
-    gc.collect()
+    one seen). Triton's own ``cuda_graph_without_gc`` does the same. (Not collecting first: a full collection takes
+    ~0.15 s with transformers loaded, and garbage left waiting is not collected inside either.)"""
     enabled = gc.isenabled()
     gc.disable()
     try:
