@@ -117,9 +117,9 @@ class _Cycle:
 
 
 def test_no_collection_pauses_the_collector():
-    """The decode graphs capture inside ``no_collection``: no cyclic garbage, made before or inside, is finalized
-    inside (a finalizer during a capture can invalidate it: Triton unloads a kernel's module), all of it is after,
-    and the collector's state comes back, an exception's way out too."""
+    """The decode graphs capture inside ``no_collection``: no cyclic garbage made inside is finalized inside (a
+    finalizer during a capture can invalidate it: Triton unloads a kernel's module), all of it is after, and the
+    collector's state comes back, an exception's way out too."""
     seen: list = []
     thresholds = gc.get_threshold()
     gc.set_threshold(1, 10**6, 10**6)  # the youngest generation on every allocation while enabled
