@@ -15,6 +15,9 @@
 #                                     # bench/grpo_step.py with TRL in the same run (SHAPES, default 0.6B)
 #   bash bench/speed_gpu.sh timeline  # where the time goes: bench/train_timeline.py (0.6B), bench/rollout_steps.py
 #                                     # (0.6B), bench/step_timeline.py (0.6B at 256)
+#   bash bench/speed_gpu.sh goals     # issue 23's goals side by side, first thing on a fresh machine (~10 min with
+#                                     # TRL): bench/grpo_step.py with TRL both shapes, bench/engine.py at 256 with
+#                                     # transformers' continuous batching and at 64, train_profile both shapes
 #   bash bench/speed_gpu.sh host      # the training row's launches and host time (bench/train_launches.py at the 0.6B
 #                                     # width and chunk), then train_profile at 0.6B over row lengths (ROWS)
 # Results under $OUT/speed/<TAG> (TAG defaults to "run"). BASE=build/base runs that tree's unison instead (an A/B:
@@ -89,6 +92,19 @@ for mode in "${@:-profile}"; do
         --completion 512 --json "$out/train_launches.json" 2>&1 | grep -A12 '"forward"'
       (cd bench && python3 train_profile.py --shape qwen3-0.6b --rows ${ROWS:-16384 20480 24576 40960} --kernels on \
         --json "$out/train_profile_0.6b_rows.json" 2>&1 | quiet 8) ;;
+    goals)
+      python3 bench/grpo_step.py --systems unison,trl --shapes qwen3-0.6b,qwen3-1.7b --steps 5 --trl-steps 2 \
+        --unison-set save_final=false --json "$out/grpo_step.json" --workdir /tmp/goals 2>&1 | grep -A3 "^workload"
+      cp /tmp/goals/*.log "$out/" 2>/dev/null  # a failed worker's whole output
+      (cd bench
+       python3 engine.py --device cuda --shape qwen3-0.6b --concurrency 256 --prompt 128 --new 256 --transformers \
+         --json "$out/engine_0.6b_256.json" 2>&1 | grep -A2 "^workload"
+       python3 engine.py --device cuda --shape qwen3-0.6b --concurrency 64 --prompt 128 --new 256 \
+         --json "$out/engine_0.6b_64.json" 2>&1 | grep "tok/s ("
+       for shape in qwen3-0.6b qwen3-1.7b; do
+         python3 train_profile.py --shape $shape --rows 24576 --kernels on --json "$out/train_profile_$shape.json" 2>&1 \
+           | grep "^optimizer alone"
+       done) ;;
     tests)
       timeout "${LIMIT:-300}" python3 -m pytest -q -x -s -p no:cacheprovider ${TESTS:-tests/test_fused_train_gpu.py \
         tests/test_triton_gpu.py tests/test_engine_gpu.py tests/test_fused_layer_gpu.py} 2>&1 | tee "$out/tests.log" \
