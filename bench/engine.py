@@ -58,10 +58,16 @@ def build(shape: str, device: str, dtype: torch.dtype, attn: str) -> torch.nn.Mo
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype)
-    pack = getattr(fused_linear, "pack_projections", None)  # the trainer's layout (an A/B's older base has none)
+    return lay_out(model).eval()
+
+
+def lay_out(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with load_policy's layout (q/k/v and gate/up joined: ``pack_projections``), where the unison that
+    runs has it (an A/B's older base tree has none)."""
+    pack = getattr(fused_linear, "pack_projections", None)
     if pack is not None:
         pack(model)
-    return model.eval()
+    return model
 
 
 def prompts_for(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:

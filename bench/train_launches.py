@@ -32,9 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 sys.path.append(os.path.join(os.path.dirname(__file__), ".."))  # after PYTHONPATH: an A/B's base tree goes first
-from engine import commit  # noqa: E402
+from engine import commit, lay_out  # noqa: E402
 
-from unison.engine import fused_linear  # noqa: E402
 from unison.rollout.sample import Sample  # noqa: E402
 from unison.train.logprobs import policy_loss  # noqa: E402
 from unison.train.loss import LossConfig, token_loss  # noqa: E402
@@ -132,10 +131,7 @@ def build(width: int, vocab: int, device: str) -> torch.nn.Module:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="unison", dtype=dtype).eval()
-    pack = getattr(fused_linear, "pack_projections", None)  # the trainer's layout (an A/B's older base has none)
-    if pack is not None:
-        pack(model)
-    return model
+    return lay_out(model)
 
 
 def row_of(vocab: int, device: str, prompt: int, completion: int):
