@@ -20,6 +20,8 @@
 #                                     # transformers' continuous batching and at 64, train_profile both shapes
 #   bash bench/speed_gpu.sh host      # the training row's launches and host time (bench/train_launches.py at the 0.6B
 #                                     # width and chunk), then train_profile at 0.6B over row lengths (ROWS)
+#   bash bench/speed_gpu.sh attention # Nsight Compute's sections for the decode attention kernel at a GRPO rollout's
+#                                     # shape (64 sequences x 352 keys, 0.6B heads, the engine's default tiles)
 # Results under $OUT/speed/<TAG> (TAG defaults to "run"). BASE=build/base runs that tree's unison instead (an A/B:
 # `rm -rf build/base && mkdir -p build/base && git archive <commit> unison | tar -x -C build/base`, carry build).
 set -uo pipefail
@@ -105,6 +107,28 @@ for mode in "${@:-profile}"; do
          python3 train_profile.py --shape $shape --rows 24576 --kernels on --json "$out/train_profile_$shape.json" 2>&1 \
            | grep "^optimizer alone"
        done) ;;
+    attention)  # why the kernel reads K/V at ~3.2 of the ~4.3 TB/s a copy reaches (speed/goals/probe)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+      cat > /tmp/ncu_decode.py <<'PY'
+import sys
+import torch
+sys.path.insert(0, "bench")
+from decode_kernel import DIM, PAGE, pools
+from unison.engine.triton_attention import paged_decode
+(layers, q, tables, lens) = pools(64, 352, 1)
+k, v = layers[0]
+for _ in range(4):
+    paged_decode(q, k, v, tables, lens, PAGE, DIM**-0.5)
+torch.cuda.synchronize()
+PY
+      timeout 240 "$NCU" --clock-control none --kernel-name regex:_decode_kernel --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section MemoryWorkloadAnalysis --csv --page details python3 /tmp/ncu_decode.py > "$out/ncu_decode_64x352.csv" \
+        2> "$out/ncu_decode.err"
+      echo "ncu rc=$?"; tail -3 "$out/ncu_decode.err"
+      python3 -c "import csv,sys; [print(r['Section Name'][:24], '|', r['Metric Name'][:48], '|', r['Metric Value'], \
+        r['Metric Unit']) for r in csv.DictReader(l for l in open(sys.argv[1]) if not l.startswith('=='))]" \
+        "$out/ncu_decode_64x352.csv" | head -90 ;;
     tests)
       timeout "${LIMIT:-300}" python3 -m pytest -q -x -s -p no:cacheprovider ${TESTS:-tests/test_fused_train_gpu.py \
         tests/test_triton_gpu.py tests/test_engine_gpu.py tests/test_fused_layer_gpu.py} 2>&1 | tee "$out/tests.log" \
