@@ -15,8 +15,9 @@
 #                                     # bench/grpo_step.py with TRL in the same run (SHAPES, default 0.6B)
 #   bash bench/speed_gpu.sh timeline  # where the time goes: bench/train_timeline.py (0.6B), bench/rollout_steps.py
 #                                     # (0.6B), bench/step_timeline.py (0.6B at 256)
-#   bash bench/speed_gpu.sh goals     # issue 23's goals side by side, first thing on a fresh machine (~10 min with
-#                                     # TRL): bench/grpo_step.py with TRL both shapes, bench/engine.py at 256 with
+#   bash bench/speed_gpu.sh goals     # issue 23's goals side by side, first thing on a fresh machine (~500 s with
+#                                     # TRL, near a call's 600 s: speed/goals ran it as two calls of 248 and 255 s):
+#                                     # bench/grpo_step.py with TRL both shapes, bench/engine.py at 256 with
 #                                     # transformers' continuous batching and at 64, train_profile both shapes
 #   bash bench/speed_gpu.sh host      # the training row's launches and host time (bench/train_launches.py at the 0.6B
 #                                     # width and chunk), then train_profile at 0.6B over row lengths (ROWS)
