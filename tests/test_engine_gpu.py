@@ -95,7 +95,8 @@ def test_moe_decode_graphs_with_fused_norms_and_rope_at_the_bf16_floor():
 def test_no_collection_runs_inside_a_decode_graph_capture():
     """Python's collector never runs while a decode graph captures, even set to run on almost every allocation: a
     finalizer run by a collection inside a capture can invalidate it (Triton's CompiledKernel.__del__ unloads its
-    CUDA module). Without ``graphs.no_collection`` this workload ran ~2,000 collections inside its two captures."""
+    CUDA module). Without ``graphs.no_collection`` this test fails (checked on an H200, where a probe of the same
+    calls, with a hook on the decoder making garbage, counted 1,960 collections inside the captures)."""
     model = gpu_qwen3(torch.bfloat16)
     inside: list[bool] = []
 
