@@ -23,6 +23,9 @@
 #                                     # width and chunk), then train_profile at 0.6B over row lengths (ROWS)
 #   bash bench/speed_gpu.sh attention # Nsight Compute's sections for the decode attention kernel at a GRPO rollout's
 #                                     # shape (64 sequences x 352 keys, 0.6B heads, the engine's default tiles)
+#   bash bench/speed_gpu.sh rope      # the one-launch attention (unison/engine/rope_decode.py): its GPU tests, then
+#                                     # decode_step_kernels.py and rollout_steps.py (0.6B) with UNISON_ROPE_DECODE=0
+#                                     # and =1, then sampler_parts.py (~6 min, not yet run)
 # Results under $OUT/speed/<TAG> (TAG defaults to "run"). BASE=build/base runs that tree's unison instead (an A/B:
 # `rm -rf build/base && mkdir -p build/base && git archive <commit> unison | tar -x -C build/base`, carry build).
 set -uo pipefail
@@ -130,6 +133,23 @@ PY
       python3 -c "import csv,sys; [print(r['Section Name'][:24], '|', r['Metric Name'][:48], '|', r['Metric Value'], \
         r['Metric Unit']) for r in csv.DictReader(l for l in open(sys.argv[1]) if not l.startswith('=='))]" \
         "$out/ncu_decode_64x352.csv" | head -90 ;;
+    rope)
+      timeout 240 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_rope_decode.py \
+        "tests/test_fused_layer_gpu.py::test_engine_with_the_one_launch_attention_equals_the_two_launches" \
+        "tests/test_triton_gpu.py::test_decode_kernel_on_gpu" > "$out/gpu_tests.log" 2>&1
+      echo "tests rc=$?"; tail -3 "$out/gpu_tests.log"
+      for on in 0 1; do
+        mkdir -p "$out/rope$on"
+        UNISON_ROPE_DECODE=$on CTX=300 OUT="$out/rope$on" timeout 120 python3 bench/decode_step_kernels.py \
+          > "$out/decode_step_rope$on.out" 2>&1; grep "PDL=" "$out/decode_step_rope$on.out"
+      done
+      for on in 1 0; do
+        UNISON_ROPE_DECODE=$on timeout 150 python3 bench/rollout_steps.py --shape qwen3-0.6b --steps 3 \
+          --json "$out/rollout_rope$on.json" > "$out/rollout_rope$on.out" 2>&1
+        echo "UNISON_ROPE_DECODE=$on"; grep -A6 "^rollout  total" "$out/rollout_rope$on.out" | grep -v "host ms"
+        grep "train_s of" "$out/rollout_rope$on.out"
+      done
+      timeout 90 python3 bench/sampler_parts.py --json "$out/sampler_parts.json" | tail -24 ;;
     tests)
       timeout "${LIMIT:-300}" python3 -m pytest -q -x -s -p no:cacheprovider ${TESTS:-tests/test_fused_train_gpu.py \
         tests/test_triton_gpu.py tests/test_engine_gpu.py tests/test_fused_layer_gpu.py} 2>&1 | tee "$out/tests.log" \

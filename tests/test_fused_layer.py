@@ -14,7 +14,7 @@ from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2Fo
 
 pytest.importorskip("triton")
 
-from unison.engine import Engine, EngineConfig, SamplingParams, fused_layer, fused_linear  # noqa: E402
+from unison.engine import Engine, EngineConfig, SamplingParams, fused_layer, fused_linear, triton_backend  # noqa: E402
 from unison.engine.fused_layer import attention_form, fused_layers, llama_layer, qkv_rope_write  # noqa: E402
 from unison.engine.fused_norm import add_rms_norm, llama_norm  # noqa: E402
 from unison.engine.graphs import fused_kernels  # noqa: E402
@@ -118,19 +118,25 @@ def _tiny_model(family: str):
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral"])
 def test_engine_decodes_through_the_fused_layers(family, on_cpu, monkeypatch):
     """Chunked prefill (4 tokens a step), decode through the runner (eager here), prefix sharing in a group: every
-    attention through the fused write, every layer through the fused adds, logprobs teacher-forced ones; the
-    windowed layers keep their window. The modules' own forwards again after the engine's forwards."""
+    attention through the fused write (the decode-only steps' in the attention's launch), every layer through the
+    fused adds, logprobs teacher-forced ones; the windowed layers keep their window. The modules' own forwards again
+    after the engine's forwards."""
     calls = count_calls(monkeypatch, fused_layer, ["qkv_rope_write", "add_rms_norm"])
+    fused = count_calls(monkeypatch, triton_backend, ["rope_paged_decode"])
     model = _tiny(family)
     layers = model.config.num_hidden_layers
     engine = Engine(model, EngineConfig(num_blocks=64, block_size=4, seed=0, attention="triton", max_num_seqs=8,
                                         max_batch_tokens=12))
     engine._fused = lambda: fused_kernels(engine.decoder)  # the prefill steps too, as on the GPU
+    engine.backend.multiprocessors = 1  # 4 sequences x 1-2 KV heads then fill the device: one split, as 64 x 8 do
+    engine.backend.rope_decode = True
     prompts = random_prompts([9, 13])
     done = engine.generate(prompts + [prompts[0]] * 2, SamplingParams(max_new_tokens=6, stop_token_ids=()))
     steps = engine.stats()["steps"]
     assert engine.stats()["graph_steps"] >= 4
-    assert calls["qkv_rope_write"] == steps * layers
+    # the decode-only steps write and attend in one launch, the others in two
+    assert fused["rope_paged_decode"] >= 4 * layers
+    assert calls["qkv_rope_write"] + fused["rope_paged_decode"] == steps * layers
     assert calls["add_rms_norm"] == 2 * steps * layers  # after attention, after the MLP (the last into the final norm)
     assert max_logprob_diff(model, done) < 1e-4
     for module in (model.model.layers[0], model.model.layers[0].self_attn, model.model.norm):

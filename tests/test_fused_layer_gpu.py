@@ -120,6 +120,35 @@ def test_engine_logprobs_with_the_fused_layers_at_the_bf16_floor(monkeypatch):
     assert gaps[True] < 1.25 * gaps[False] + 1e-4
 
 
+def test_engine_with_the_one_launch_attention_equals_the_two_launches(monkeypatch):
+    """The 0.6B shape's heads (16 query, 8 KV, 128 wide) through the engine's decode graphs at 64 requests (one split
+    a sequence, so the decode steps take ``rope_paged_decode``): the same tokens and logprobs, bit for bit, as with
+    q/k norms, RoPE and the K/V write in a launch of their own."""
+    from unison.engine import triton_backend
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=4096, hidden_size=1024, intermediate_size=3072, num_hidden_layers=2,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=2048,
+                      eos_token_id=2)
+    model = Qwen3ForCausalLM._from_config(cfg, attn_implementation="unison", dtype=torch.bfloat16).cuda().eval()
+    prompts = random_prompts([60 + i for i in range(64)], vocab=4096)
+    runs, calls = {}, {"n": 0}
+    original = triton_backend.rope_paged_decode
+
+    def counted(*a, **kw):
+        calls["n"] += 1
+        return original(*a, **kw)
+    monkeypatch.setattr(triton_backend, "rope_paged_decode", counted)
+    for one in (True, False):
+        engine = Engine(model, EngineConfig(num_blocks=4096, block_size=16, max_num_seqs=64, seed=0))
+        engine.backend.rope_decode = one
+        before = calls["n"]
+        done = engine.generate(prompts, SamplingParams(max_new_tokens=40, temperature=1.0, stop_token_ids=()))
+        assert (calls["n"] > before) == one
+        runs[one] = [(c.token_ids, c.logprobs) for c in done]
+    assert runs[True] == runs[False]
+
+
 def test_token_counts_reuse_the_compiled_kernels():
     """Any number of tokens (a decode batch, a prefill chunk) runs the variants compiled already: a compile in a
     rollout costs ~0.3 s."""

@@ -1,7 +1,7 @@
 """The trainer's Triton kernels compile for the GPUs users train on, checked on a machine without one: each variant
 a bf16 training row launches in the CPU tests' interpreter (weights joined as ``load_policy`` lays them out, and
 apart), compiled by Triton's compiler for the H200 (sm_90)
-and the A100 (sm_80) (``kernel_specs``)."""
+and the A100 (sm_80) (``kernel_specs``); and the engine's decode attention kernels likewise."""
 
 from __future__ import annotations
 
@@ -15,8 +15,11 @@ import pytest
 import torch
 from conftest import tiny_llama, tiny_qwen3
 from kernel_specs import TRITON_ENV, record
+from test_rope_decode import _case, _norms
 
 from unison.engine.fused_linear import pack_projections
+from unison.engine.rope_decode import rope_paged_decode
+from unison.engine.triton_attention import paged_decode
 from unison.rollout.sample import Sample
 from unison.train.loss import LossConfig
 from unison.train.packing import pack_samples
@@ -70,11 +73,40 @@ def test_training_kernels_compile_for_the_h200_and_the_a100(tmp_path: Path):
     assert {"_rms_norm_kernel", "_rms_norm_backward_kernel", "_sum_parts_kernel", "_silu_mul_kernel",
             "_gated_rows_kernel", "_rope_kernel", "_forward_kernel", "_backward_kernel"} <= names, names
     assert len({e["module"] for e in entries}) >= 5, {e["module"] for e in entries}
+    _compile(entries, tmp_path)
+
+
+def test_decode_attention_kernels_compile_for_the_h200_and_the_a100(tmp_path: Path):
+    """The decode step's attention: alone, and with the q/k norms, RoPE and K/V write in its launch (bf16, the
+    engine's 128-wide heads and 16-slot blocks; with and without q/k norms and a window), as the GPU launches them."""
+    specs: dict = {}
+    with record(specs):
+        for norm, window in ((True, None), (False, 100)):
+            q, k, v, cos, sin, kp, vp, slots, tables, lens = _case(16, 8, 128, 16, [5, 70, 300], torch.bfloat16)
+            q_norm, k_norm = _norms(128, torch.bfloat16) if norm else (None, None)
+            rope_paged_decode(q, k, v, cos, sin, kp, vp, slots, tables, lens, 16, 128**-0.5, window, q_norm, k_norm)
+            paged_decode(q, kp, vp, tables, lens, 16, 128**-0.5, window)
+    entries = list(specs.values())
+    assert {e["name"] for e in entries} == {"_rope_decode_kernel", "_decode_kernel"} and len(entries) == 4
+    # The interpreter records its own variant (fp32 dot products, a while loop, no programmatic launch): compile the
+    # GPU's, with programmatic launch where it has it (sm_90).
+    for e in entries:
+        e["kwargs"]["UPCAST"] = ["value", False]
+    _compile(entries, tmp_path)
+    hopper = json.loads(json.dumps(entries))
+    for e in hopper:
+        e["kwargs"]["PDL"] = ["value", True]
+    _compile(hopper, tmp_path, ("90",))
+
+
+def _compile(entries: list[dict], tmp_path: Path, capabilities: tuple[str, ...] = ("90", "80")) -> None:
+    """Each recorded variant compiled for each of ``capabilities`` by Triton's compiler, in a process of its own."""
     path = tmp_path / "specs.json"
     path.write_text(json.dumps(entries))
     env = {k: v for k, v in os.environ.items() if k not in TRITON_ENV}
     env.update({k: v for k, v in TRITON_ENV.items() if v is not None}, TRITON_CACHE_DIR=str(tmp_path / "cache"))
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("kernel_specs.py")), str(path), "90", "80"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("kernel_specs.py")), str(path),
+                           *capabilities], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    assert f"{2 * len(entries)} of {2 * len(entries)} compiled" in done.stdout, done.stdout[-3000:]
+    total = len(capabilities) * len(entries)
+    assert f"{total} of {total} compiled" in done.stdout, done.stdout[-3000:]

@@ -83,6 +83,17 @@ class PagedBatch:
                              f"(unison.engine.cache.kv_widths does not know this layer's shapes)")
         return k_pool, v_pool
 
+    def attend_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, q_norm, k_norm, scale: float, window: int | None) -> torch.Tensor | None:
+        """q/k norms (modules or None), RoPE (cos, sin: (N, D)), the K/V write and ``attend`` in the backend's one
+        launch (``decode_rope``: the Triton backend's, for decode-only steps), or None where the backend has none for
+        this step: the caller then writes and attends in two (``unison.engine.fused_layer``)."""
+        fused = getattr(self.backend, "decode_rope", None)
+        if fused is None:
+            return None
+        return fused(self.state, self.pool.k[layer], self.pool.v[layer], self.slot_mapping, q, k, v, cos, sin,
+                     q_norm, k_norm, scale, window)
+
     def attend_written(self, layer: int, q: torch.Tensor, scale: float, window: int | None,
                        sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
         """``attend`` once this step's K/V are in the layer's pools (``unison.engine.fused_layer`` writes them)."""

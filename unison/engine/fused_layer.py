@@ -247,9 +247,12 @@ def _attention_forward(attn: torch.nn.Module, qk_norm: bool, window: str | None)
         k = attn.k_proj(hidden_states).view(n, -1, attn.head_dim)
         v = attn.v_proj(hidden_states).view(n, -1, attn.head_dim)
         k_pool, v_pool = paged.pools(layer, k, v)
-        q = qkv_rope_write(q, k, v, cos[0], sin[0], k_pool, v_pool, paged.slot_mapping,
-                           attn.q_norm if qk_norm else None, attn.k_norm if qk_norm else None)
-        out = paged.attend_written(layer, q, attn.scaling, sliding).reshape(1, n, -1)
+        q_norm, k_norm = (attn.q_norm, attn.k_norm) if qk_norm else (None, None)
+        out = paged.attend_rope(layer, q, k, v, cos[0], sin[0], q_norm, k_norm, attn.scaling, sliding)
+        if out is None:  # not a step the backend's one launch takes
+            q = qkv_rope_write(q, k, v, cos[0], sin[0], k_pool, v_pool, paged.slot_mapping, q_norm, k_norm)
+            out = paged.attend_written(layer, q, attn.scaling, sliding)
+        out = out.reshape(1, n, -1)
         return (output(attn.o_proj, out) if output is not None else attn.o_proj(out)), None
     forward.partials = functools.partial(forward, output=partials)
     return forward

@@ -7,6 +7,9 @@ kernel combines them; splits keep the GPU busy when there are few sequences and 
 only on the batch size and the split count, never on the context lengths, which are read on the device: so
 the launch can be captured in a CUDA graph once and replayed as the contexts grow.
 
+``decode_program`` is one program's work; ``unison.engine.rope_decode`` runs it after writing the step's own key and
+value. Compiled without multiply-add contraction, as that kernel is, so the two agree bit for bit.
+
 Under ``TRITON_INTERPRET=1`` (CPU) the same kernels run in Triton's interpreter; they then upcast to fp32 for
 the dot products, because the interpreter's bf16 dot is wrong.
 """
@@ -65,9 +68,20 @@ def _decode_kernel(Q, K, V, BT, CTX, SINK, Out, PO, PML, scale_log2, cap_log2, w
                    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WINDOWED: tl.constexpr, SINKS: tl.constexpr,
                    SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     gdc.wait(PDL)
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    decode_program(Q, K, V, BT, CTX, SINK, Out, PO, PML, scale_log2, cap_log2, window, stride_qn, stride_qh,
+                   stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, stride_on, stride_oh, tl.program_id(0),
+                   tl.program_id(1), tl.program_id(2), HEADS, GROUP, BLOCK_G, K_DIM, BLOCK_DK, V_DIM, BLOCK_DV, PAGE,
+                   BLOCK_N, SPLITS, WINDOWED, SINKS, SOFTCAP, UPCAST, PRECISION)
+
+
+@triton.jit
+def decode_program(Q, K, V, BT, CTX, SINK, Out, PO, PML, scale_log2, cap_log2, window, stride_qn, stride_qh,
+                   stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, stride_on, stride_oh, seq, kvh, split,
+                   HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, K_DIM: tl.constexpr,
+                   BLOCK_DK: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WINDOWED: tl.constexpr, SINKS: tl.constexpr,
+                   SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (seq, kvh, split) of the decode kernel: its GQA group's queries over its share of the context."""
     ctx = tl.load(CTX + seq).to(tl.int32)  # keys 0 .. ctx-1; the query sits at position ctx-1
     lo = 0
     if WINDOWED:
@@ -198,7 +212,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
         BLOCK_DK=triton.next_power_of_2(k_dim), V_DIM=v_dim, BLOCK_DV=block_dv, PAGE=block_size, BLOCK_N=block_n,
         SPLITS=splits, WINDOWED=window is not None, SINKS=sinks is not None, SOFTCAP=softcap is not None,
         UPCAST=_INTERPRET, PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=num_warps,
-        num_stages=num_stages, **launch)
+        num_stages=num_stages, enable_fp_fusion=False, **launch)  # as unison.engine.rope_decode's, bit for bit
     if splits > 1:
         _combine_kernel[(batch, heads)](part_o, part_ml, sink_arg, out, out.stride(0), out.stride(1), HEADS=heads,
                                         V_DIM=v_dim, BLOCK_DV=block_dv, SPLITS=splits,

@@ -10,6 +10,7 @@ and different key and value widths (MLA) run in both kernels; an MLA latent cach
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +20,7 @@ import triton.language as tl
 
 from .attention_ops import torch_varlen_attn, varlen_attention, varlen_supported
 from .backend import StepLayout, context_slots, prefill_reference
+from .rope_decode import rope_paged_decode
 from .triton_attention import num_splits, paged_decode
 from .triton_mla import is_latent, mla_decode
 
@@ -76,8 +78,11 @@ class TritonPagedBackend:
     static_decode = True  # decode_state: the CUDA-graph runner's step
 
     def __init__(self, block_size: int, kv_heads: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                 block_n: int = 64, num_warps: int = 4, num_stages: int | None = None):
+                 block_n: int = 64, num_warps: int = 4, num_stages: int | None = None, rope_decode: bool | None = None):
         self.block_size = block_size
+        # decode_rope's one launch: off until measured on a GPU (bench/results/h200/speed/rope_decode/README.md);
+        # UNISON_ROPE_DECODE=1 turns it on for the benchmarks' A/B
+        self.rope_decode = os.environ.get("UNISON_ROPE_DECODE") == "1" if rope_decode is None else rope_decode
         self.dtype = dtype
         self.kv_heads = kv_heads
         self.device = torch.device(device)
@@ -167,6 +172,18 @@ class TritonPagedBackend:
                 spans = [(a, b, slots.to(q.device)) for a, b, slots in state.spans]
                 prefill_reference(spans, k_pool, v_pool, q, out, scale, window, **layer)
         return out
+
+    def decode_rope(self, state: TritonState, k_pool, v_pool, slots, q, k, v, cos, sin, q_norm, k_norm, scale,
+                    window) -> torch.Tensor | None:
+        """``PagedBatch.attend_rope`` in one launch (``rope_paged_decode``) where it is on (``rope_decode``), every
+        token is a decode query and one split covers each sequence; else None."""
+        if (not self.rope_decode or state.block_tables is None or state.decode_rows is not None
+                or state.chunk_rows is not None
+                or state.prefills or state.splits != 1 or is_latent(k_pool, v_pool)
+                or not q.dtype == k.dtype == v.dtype == k_pool.dtype == v_pool.dtype == cos.dtype):
+            return None
+        return rope_paged_decode(q, k, v, cos, sin, k_pool, v_pool, slots, state.block_tables, state.context_lens,
+                                 self.block_size, scale, window, q_norm, k_norm, **self.kernel_args)
 
     def decode(self, state: TritonState, k_pool, v_pool, q, scale, window, sinks=None, softcap=None) -> torch.Tensor:
         """The step's decode queries alone (``q``: (Sd, H, Dk), the rows of ``state.decode_rows`` or every row)."""

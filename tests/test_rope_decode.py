@@ -1,0 +1,112 @@
+"""The decode step's q/k norms, RoPE, K/V write and paged attention in one launch (unison.engine.rope_decode) in
+Triton's interpreter: the same output and the same pools as the two launches it replaces (``qkv_rope_write``, then
+``paged_decode``), bit for bit, on random inputs; and the backend's choice of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+pytest.importorskip("triton")
+
+from unison.engine.fused_layer import qkv_rope_write  # noqa: E402
+from unison.engine.rope_decode import rope_paged_decode  # noqa: E402
+from unison.engine.triton_attention import paged_decode  # noqa: E402
+from unison.engine.triton_backend import TritonPagedBackend, TritonState  # noqa: E402
+
+
+def _case(heads: int, kv_heads: int, dim: int, block_size: int, contexts: list[int], dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    batch = len(contexts)
+    blocks = sum(-(-c // block_size) for c in contexts) + 3
+    k_pool = torch.randn(blocks * block_size, kv_heads, dim, generator=g).to(dtype)
+    v_pool = torch.randn(blocks * block_size, kv_heads, dim, generator=g).to(dtype)
+    order = torch.randperm(blocks, generator=g)
+    width = max(-(-c // block_size) for c in contexts)
+    tables = torch.zeros(batch, width, dtype=torch.int32)
+    used = 0
+    for i, c in enumerate(contexts):
+        n = -(-c // block_size)
+        tables[i, :n] = order[used:used + n].int()
+        used += n
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    last = lens.long() - 1  # the step's token sits at its context's last position
+    slots = tables.long()[torch.arange(batch), last // block_size] * block_size + last % block_size
+    q = torch.randn(batch, heads, dim, generator=g).to(dtype)
+    k = torch.randn(batch, kv_heads, dim, generator=g).to(dtype)
+    v = torch.randn(batch, kv_heads, dim, generator=g).to(dtype)
+    cos = torch.randn(batch, dim, generator=g).to(dtype)
+    sin = torch.randn(batch, dim, generator=g).to(dtype)
+    return q, k, v, cos, sin, k_pool, v_pool, slots, tables, lens
+
+
+def _norms(dim: int, dtype):
+    q_norm, k_norm = Qwen3RMSNorm(dim, eps=1e-6), Qwen3RMSNorm(dim, eps=1e-5)
+    with torch.no_grad():
+        q_norm.weight.uniform_(0.5, 1.5)
+        k_norm.weight.uniform_(-1.0, 1.0)
+    return q_norm.to(dtype), k_norm.to(dtype)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim, norm, window, dtype", [
+    (4, 2, 32, True, None, torch.float32),
+    (6, 2, 16, False, None, torch.float32),  # a group of three: four rows, one naming no head
+    (4, 4, 32, True, 5, torch.float32),
+    (4, 2, 32, True, None, torch.bfloat16),
+])
+def test_one_launch_equals_the_two(heads, kv_heads, dim, norm, window, dtype):
+    q, k, v, cos, sin, k_pool, v_pool, slots, tables, lens = _case(heads, kv_heads, dim, 4, [1, 7, 16, 21, 40], dtype)
+    q_norm, k_norm = _norms(dim, dtype) if norm else (None, None)
+    kp, vp = k_pool.clone(), v_pool.clone()
+    rotated = qkv_rope_write(q, k, v, cos, sin, kp, vp, slots, q_norm, k_norm)
+    want = paged_decode(rotated, kp, vp, tables, lens, 4, dim**-0.5, window, block_n=16)
+    kf, vf = k_pool.clone(), v_pool.clone()
+    got = rope_paged_decode(q, k, v, cos, sin, kf, vf, slots, tables, lens, 4, dim**-0.5, window, q_norm, k_norm,
+                            block_n=16)
+    assert torch.equal(kf, kp) and torch.equal(vf, vp)  # the new keys and values written, nothing else
+    assert not torch.equal(kp, k_pool)
+    assert torch.equal(got, want)
+
+
+def test_the_backend_takes_it_for_decode_only_steps_of_one_split():
+    q, k, v, cos, sin, k_pool, v_pool, slots, tables, lens = _case(4, 2, 32, 4, [5, 9], torch.float32)
+    backend = TritonPagedBackend(4, 2, torch.device("cpu"), torch.float32, block_n=16, rope_decode=True)
+    args = (k_pool, v_pool, slots, q, k, v, cos, sin, None, None, 32**-0.5, None)
+    assert backend.decode_rope(TritonState(None, tables, lens, 1), *args) is not None
+    assert backend.decode_rope(TritonState(None, tables, lens, 2), *args) is None  # split contexts: two launches
+    mixed = TritonState(None, tables, lens, 1)
+    mixed.decode_rows = torch.tensor([0, 3])
+    assert backend.decode_rope(mixed, *args) is None  # decode rows among a prefill's: two launches
+    backend.rope_decode = False
+    assert backend.decode_rope(TritonState(None, tables, lens, 1), *args) is None  # turned off: two launches
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("heads, kv_heads", [(16, 8), (32, 8), (8, 8)])
+def test_one_launch_equals_the_two_on_gpu(heads, kv_heads, norm):
+    """At the engine's shapes on a GPU (bf16, 128-wide heads, 16-slot blocks), eager and replayed in a CUDA graph
+    (programmatic launch on Hopper): bit for bit the two launches' output and pools."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    contexts = [1, 2, 15, 16, 17, 63, 64, 65, 200, 352, 577, 1000] * 6
+    case = _case(heads, kv_heads, 128, 16, contexts, torch.bfloat16, seed=heads + norm)
+    q, k, v, cos, sin, k_pool, v_pool, slots, tables, lens = (x.cuda() for x in case)
+    q_norm, k_norm = (m.cuda() for m in _norms(128, torch.bfloat16)) if norm else (None, None)
+    kp, vp = k_pool.clone(), v_pool.clone()
+    rotated = qkv_rope_write(q, k, v, cos, sin, kp, vp, slots, q_norm, k_norm)
+    want = paged_decode(rotated, kp, vp, tables, lens, 16, 128**-0.5)
+    kf, vf = k_pool.clone(), v_pool.clone()
+    got = rope_paged_decode(q, k, v, cos, sin, kf, vf, slots, tables, lens, 16, 128**-0.5, None, q_norm, k_norm)
+    assert torch.equal(kf, kp) and torch.equal(vf, vp)
+    assert torch.equal(got, want)
+    kg, vg = k_pool.clone(), v_pool.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = rope_paged_decode(q, k, v, cos, sin, kg, vg, slots, tables, lens, 16, 128**-0.5, None, q_norm,
+                                     k_norm)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, want) and torch.equal(kg, kp) and torch.equal(vg, vp)
