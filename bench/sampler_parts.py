@@ -9,36 +9,24 @@ take 5 parts of 16 tiles at the default 512). fp32 logits, as the engine's lm_he
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_kernel import graph_us  # noqa: E402
+
 from unison.engine.triton_sampler import FusedSampler  # noqa: E402
 
 VOCAB = 151936
 
 
-def graph_us(sampler: FusedSampler, logits: torch.Tensor, calls: int = 20, replays: int = 30) -> float:
+def call_us(sampler: FusedSampler, logits: torch.Tensor, calls: int = 20) -> float:
     rows = logits.shape[0]
-    temps, seeds = [1.0] * rows, list(range(rows))
-    sampler(logits, temps, seeds)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            sampler(logits, temps, seeds)
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return 1e3 * sorted(times)[len(times) // 2] / calls
+    return graph_us([functools.partial(sampler, logits, [1.0] * rows, list(range(rows)))] * calls, replays=30)
 
 
 def main():
@@ -53,7 +41,7 @@ def main():
             for target in (256, 512, 1024, 2048):
                 sampler = FusedSampler(logits.device, rows, block_v=block_v, target_programs=target)
                 same = torch.equal(sampler(logits, [1.0] * rows, list(range(rows)))[0], ref)
-                us = graph_us(sampler, logits)
+                us = call_us(sampler, logits)
                 rows_out.append(dict(rows=rows, block_v=block_v, target_programs=target, us=us, same_tokens=same))
                 print(f"{rows:4d} rows  block_v {block_v:5d}  target {target:5d}  {us:7.2f} us  same tokens {same}",
                       flush=True)

@@ -150,8 +150,16 @@ def _qkv_rope_write_kernel(Q, K, V, QW, KW, Cos, Sin, QO, KP, VP, Slots, q_heads
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     out, d, dmask, is_q, is_k, kh = normed_rope(Q, K, QW, KW, Cos, Sin, t, heads, q_heads, k_heads, stride_q,
                                                 stride_k, stride_c, eps_q, eps_k, HALF, BLOCK, NORM)
-    head = heads[:, None]
-    tl.store(QO + t * stride_qo + head * (2 * HALF) + d, out, mask=dmask & is_q)
+    store_rotated(out, d, dmask, is_q, is_k, kh, heads, t, V, QO, KP, VP, Slots, stride_v, stride_qo, stride_kp,
+                  stride_vp, HALF)
+
+
+@triton.jit
+def store_rotated(out, d, dmask, is_q, is_k, kh, heads, t, V, QO, KP, VP, Slots, stride_v, stride_qo, stride_kp,
+                  stride_vp, HALF: tl.constexpr):
+    """``normed_rope``'s rows of token t stored: the query rows at QO, the key rows and the token's value rows (from
+    V) at its pool slot."""
+    tl.store(QO + t * stride_qo + heads[:, None] * (2 * HALF) + d, out, mask=dmask & is_q)
     slot = tl.load(Slots + t)
     tl.store(KP + slot * stride_kp + kh * (2 * HALF) + d, out, mask=dmask & is_k)
     v = tl.load(V + t * stride_v + kh * (2 * HALF) + d, mask=dmask & is_k, other=0.0)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import gdc
-from .fused_layer import normed_rope
+from .fused_layer import normed_rope, store_rotated
 from .triton_attention import LOG2E, decode_program, pipeline_stages
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -46,12 +46,8 @@ def _rope_decode_kernel(QR, KR, VR, QW, KW, Cos, Sin, Slots, QO, K, V, BT, CTX, 
     heads = tl.where(r < GROUP, kvh * GROUP + r, tl.where(r == GROUP, q_heads + kvh, q_heads + k_heads))
     out, d, dmask, is_q, is_k, kh = normed_rope(QR, KR, QW, KW, Cos, Sin, t, heads, q_heads, k_heads, stride_qr,
                                                 stride_kr, stride_c, eps_q, eps_k, HALF, BLOCK, NORM)
-    head = heads[:, None]
-    tl.store(QO + t * stride_qo + head * (2 * HALF) + d, out, mask=dmask & is_q)
-    slot = tl.load(Slots + t)
-    tl.store(K + slot * stride_ks + kh * (2 * HALF) + d, out, mask=dmask & is_k)
-    v = tl.load(VR + t * stride_vr + kh * (2 * HALF) + d, mask=dmask & is_k, other=0.0)
-    tl.store(V + slot * stride_vs + kh * (2 * HALF) + d, v, mask=dmask & is_k)
+    store_rotated(out, d, dmask, is_q, is_k, kh, heads, t, VR, QO, K, V, Slots, stride_vr, stride_qo, stride_ks,
+                  stride_vs, HALF)
     tl.debug_barrier()  # the query rows and the new key and value, written above, are read below
     decode_program(QO, K, V, BT, CTX, QO, Out, QO, QO, scale_log2, 1.0, window, stride_qo, 2 * HALF, stride_ks,
                    2 * HALF, stride_vs, 2 * HALF, stride_bt, stride_on, stride_oh, seq, kvh, 0, HEADS, GROUP,
