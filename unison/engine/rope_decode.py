@@ -13,7 +13,8 @@ no program reads what another writes, so one launch does it all.
 Each value rounds where the two kernels round (``normed_rope`` is their shared code), and both kernels are compiled
 without multiply-add contraction, so the output equals the two launches' bit for bit (tests/test_rope_decode.py).
 Decode-only steps with one split per sequence (``num_splits`` = 1: 64 sequences x 8 KV heads on an H200) take it;
-others keep the two launches.
+others keep the two launches. Off until it is measured on a GPU (``TritonPagedBackend.rope_decode``;
+bench/results/h200/speed/attention/README.md says what was predicted and what is still to run).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ class TritonPagedBackend:
     def __init__(self, block_size: int, kv_heads: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
                  block_n: int = 64, num_warps: int = 4, num_stages: int | None = None, rope_decode: bool | None = None):
         self.block_size = block_size
-        # decode_rope's one launch: off until measured on a GPU (bench/results/h200/speed/rope_decode/README.md);
+        # decode_rope's one launch: off until measured on a GPU (bench/results/h200/speed/attention/README.md);
         # UNISON_ROPE_DECODE=1 turns it on for the benchmarks' A/B
         self.rope_decode = os.environ.get("UNISON_ROPE_DECODE") == "1" if rope_decode is None else rope_decode
         self.dtype = dtype
@@ -177,9 +177,9 @@ class TritonPagedBackend:
                     window) -> torch.Tensor | None:
         """``PagedBatch.attend_rope`` in one launch (``rope_paged_decode``) where it is on (``rope_decode``), every
         token is a decode query and one split covers each sequence; else None."""
-        if (not self.rope_decode or state.block_tables is None or state.decode_rows is not None
-                or state.chunk_rows is not None
-                or state.prefills or state.splits != 1 or is_latent(k_pool, v_pool)
+        decode_only = state.block_tables is not None and state.decode_rows is None and state.chunk_rows is None
+        if (not self.rope_decode or not decode_only or state.prefills or state.splits != 1
+                or is_latent(k_pool, v_pool)
                 or not q.dtype == k.dtype == v.dtype == k_pool.dtype == v_pool.dtype == cos.dtype):
             return None
         return rope_paged_decode(q, k, v, cos, sin, k_pool, v_pool, slots, state.block_tables, state.context_lens,
