@@ -36,7 +36,7 @@ def record() -> list[dict]:
             q_norm, k_norm = _norms(128, torch.bfloat16) if norm else (None, None)
             rope_paged_decode(q, k, v, cos, sin, kp, vp, slots, tables, lens, 16, 128**-0.5, None, q_norm, k_norm)
         paged_decode(q, kp, vp, tables, lens, 16, 128**-0.5)
-    entries = list(specs.values())
+    entries = [e for e in specs.values() if "UPCAST" in e["kwargs"]]
     for e in entries:
         e["kwargs"].update(UPCAST=["value", False], PDL=["value", True])
     return entries

@@ -128,8 +128,7 @@ def test_engine_decodes_through_the_fused_layers(family, on_cpu, monkeypatch):
     engine = Engine(model, EngineConfig(num_blocks=64, block_size=4, seed=0, attention="triton", max_num_seqs=8,
                                         max_batch_tokens=12))
     engine._fused = lambda: fused_kernels(engine.decoder)  # the prefill steps too, as on the GPU
-    engine.backend.multiprocessors = 1  # 4 sequences x 1-2 KV heads then fill the device: one split, as 64 x 8 do
-    engine.backend.rope_decode = True
+    engine.backend.rope_decode = True  # (its decode steps split each context in two)
     prompts = random_prompts([9, 13])
     done = engine.generate(prompts + [prompts[0]] * 2, SamplingParams(max_new_tokens=6, stop_token_ids=()))
     steps = engine.stats()["steps"]

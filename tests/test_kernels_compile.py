@@ -78,20 +78,24 @@ def test_training_kernels_compile_for_the_h200_and_the_a100(tmp_path: Path):
 
 def test_decode_attention_kernels_compile_for_the_h200_and_the_a100(tmp_path: Path):
     """The decode step's attention: alone, and with the q/k norms, RoPE and K/V write in its launch (bf16, the
-    engine's 128-wide heads and 16-slot blocks; with and without q/k norms and a window), as the GPU launches them."""
+    engine's 128-wide heads and 16-slot blocks; with q/k norms, and without with a window and four splits), as the GPU
+    launches them."""
     specs: dict = {}
     with record(specs):
-        for norm, window in ((True, None), (False, 100)):
+        for norm, window, splits in ((True, None, 1), (False, 100, 4)):
             q, k, v, cos, sin, kp, vp, slots, tables, lens = _case(16, 8, 128, 16, [5, 70, 300], torch.bfloat16)
             q_norm, k_norm = _norms(128, torch.bfloat16) if norm else (None, None)
-            rope_paged_decode(q, k, v, cos, sin, kp, vp, slots, tables, lens, 16, 128**-0.5, window, q_norm, k_norm)
+            rope_paged_decode(q, k, v, cos, sin, kp, vp, slots, tables, lens, 16, 128**-0.5, window, q_norm, k_norm,
+                              splits)
             paged_decode(q, kp, vp, tables, lens, 16, 128**-0.5, window)
     entries = list(specs.values())
-    assert {e["name"] for e in entries} == {"_rope_decode_kernel", "_decode_kernel"} and len(entries) == 4
+    assert {e["name"] for e in entries} == {"_rope_decode_kernel", "_decode_kernel", "_combine_kernel"}
+    assert len(entries) == 5
     # The interpreter records its own variant (fp32 dot products, a while loop, no programmatic launch): compile the
     # GPU's, with programmatic launch where it has it (sm_90).
     for e in entries:
-        e["kwargs"]["UPCAST"] = ["value", False]
+        if "UPCAST" in e["kwargs"]:
+            e["kwargs"]["UPCAST"] = ["value", False]
     _compile(entries, tmp_path)
     hopper = json.loads(json.dumps(entries))
     for e in hopper:

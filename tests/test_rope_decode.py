@@ -1,6 +1,7 @@
 """The decode step's q/k norms, RoPE, K/V write and paged attention in one launch (unison.engine.rope_decode) in
 Triton's interpreter: the same output and the same pools as the two launches it replaces (``qkv_rope_write``, then
-``paged_decode``), bit for bit, on random inputs; and the backend's choice of it."""
+``paged_decode``), bit for bit, on random inputs, with one split a sequence and several; and the backend's choice
+of it."""
 
 from __future__ import annotations
 
@@ -49,32 +50,34 @@ def _norms(dim: int, dtype):
     return q_norm.to(dtype), k_norm.to(dtype)
 
 
-@pytest.mark.parametrize("heads, kv_heads, dim, norm, window, dtype", [
-    (4, 2, 32, True, None, torch.float32),
-    (6, 2, 16, False, None, torch.float32),  # a group of three: four rows, one naming no head
-    (4, 4, 32, True, 5, torch.float32),
-    (4, 2, 32, True, None, torch.bfloat16),
+@pytest.mark.parametrize("heads, kv_heads, dim, norm, window, dtype, splits", [
+    (4, 2, 32, True, None, torch.float32, 1),
+    (6, 2, 16, False, None, torch.float32, 1),  # a group of three: four rows, one naming no head
+    (4, 4, 32, True, 5, torch.float32, 1),
+    (4, 2, 32, True, None, torch.bfloat16, 1),
+    (4, 2, 32, True, None, torch.float32, 4),  # 16-key shares: the shorter contexts' later splits empty
+    (4, 2, 32, False, 9, torch.float32, 3),  # a window split three ways
 ])
-def test_one_launch_equals_the_two(heads, kv_heads, dim, norm, window, dtype):
+def test_one_launch_equals_the_two(heads, kv_heads, dim, norm, window, dtype, splits):
     q, k, v, cos, sin, k_pool, v_pool, slots, tables, lens = _case(heads, kv_heads, dim, 4, [1, 7, 16, 21, 40], dtype)
     q_norm, k_norm = _norms(dim, dtype) if norm else (None, None)
     kp, vp = k_pool.clone(), v_pool.clone()
     rotated = qkv_rope_write(q, k, v, cos, sin, kp, vp, slots, q_norm, k_norm)
-    want = paged_decode(rotated, kp, vp, tables, lens, 4, dim**-0.5, window, block_n=16)
+    want = paged_decode(rotated, kp, vp, tables, lens, 4, dim**-0.5, window, splits=splits, block_n=16)
     kf, vf = k_pool.clone(), v_pool.clone()
     got = rope_paged_decode(q, k, v, cos, sin, kf, vf, slots, tables, lens, 4, dim**-0.5, window, q_norm, k_norm,
-                            block_n=16)
+                            splits, block_n=16)
     assert torch.equal(kf, kp) and torch.equal(vf, vp)  # the new keys and values written, nothing else
     assert not torch.equal(kp, k_pool)
     assert torch.equal(got, want)
 
 
-def test_the_backend_takes_it_for_decode_only_steps_of_one_split():
+def test_the_backend_takes_it_for_decode_only_steps():
     q, k, v, cos, sin, k_pool, v_pool, slots, tables, lens = _case(4, 2, 32, 4, [5, 9], torch.float32)
     backend = TritonPagedBackend(4, 2, torch.device("cpu"), torch.float32, block_n=16, rope_decode=True)
     args = (k_pool, v_pool, slots, q, k, v, cos, sin, None, None, 32**-0.5, None)
     assert backend.decode_rope(TritonState(None, tables, lens, 1), *args) is not None
-    assert backend.decode_rope(TritonState(None, tables, lens, 2), *args) is None  # split contexts: two launches
+    assert backend.decode_rope(TritonState(None, tables, lens, 2), *args) is not None  # split contexts too
     mixed = TritonState(None, tables, lens, 1)
     mixed.decode_rows = torch.tensor([0, 3])
     assert backend.decode_rope(mixed, *args) is None  # decode rows among a prefill's: two launches
@@ -83,9 +86,10 @@ def test_the_backend_takes_it_for_decode_only_steps_of_one_split():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("heads, kv_heads", [(16, 8), (32, 8), (8, 8)])
-def test_one_launch_equals_the_two_on_gpu(heads, kv_heads, norm):
+def test_one_launch_equals_the_two_on_gpu(heads, kv_heads, norm, splits):
     """At the engine's shapes on a GPU (bf16, 128-wide heads, 16-slot blocks), eager and replayed in a CUDA graph
     (programmatic launch on Hopper): bit for bit the two launches' output and pools."""
     if not torch.cuda.is_available():
@@ -96,16 +100,17 @@ def test_one_launch_equals_the_two_on_gpu(heads, kv_heads, norm):
     q_norm, k_norm = (m.cuda() for m in _norms(128, torch.bfloat16)) if norm else (None, None)
     kp, vp = k_pool.clone(), v_pool.clone()
     rotated = qkv_rope_write(q, k, v, cos, sin, kp, vp, slots, q_norm, k_norm)
-    want = paged_decode(rotated, kp, vp, tables, lens, 16, 128**-0.5)
+    want = paged_decode(rotated, kp, vp, tables, lens, 16, 128**-0.5, splits=splits)
     kf, vf = k_pool.clone(), v_pool.clone()
-    got = rope_paged_decode(q, k, v, cos, sin, kf, vf, slots, tables, lens, 16, 128**-0.5, None, q_norm, k_norm)
+    got = rope_paged_decode(q, k, v, cos, sin, kf, vf, slots, tables, lens, 16, 128**-0.5, None, q_norm, k_norm,
+                            splits)
     assert torch.equal(kf, kp) and torch.equal(vf, vp)
     assert torch.equal(got, want)
     kg, vg = k_pool.clone(), v_pool.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = rope_paged_decode(q, k, v, cos, sin, kg, vg, slots, tables, lens, 16, 128**-0.5, None, q_norm,
-                                     k_norm)
+                                     k_norm, splits)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

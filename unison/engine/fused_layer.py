@@ -157,13 +157,14 @@ def _qkv_rope_write_kernel(Q, K, V, QW, KW, Cos, Sin, QO, KP, VP, Slots, q_heads
 @triton.jit
 def store_rotated(out, d, dmask, is_q, is_k, kh, heads, t, V, QO, KP, VP, Slots, stride_v, stride_qo, stride_kp,
                   stride_vp, HALF: tl.constexpr):
-    """``normed_rope``'s rows of token t stored: the query rows at QO, the key rows and the token's value rows (from
-    V) at its pool slot."""
+    """``normed_rope``'s rows of token t stored: the query rows (``is_q``) at QO, the key rows (``is_k``) and the
+    token's value rows of the same heads (from V) at its pool slot."""
     tl.store(QO + t * stride_qo + heads[:, None] * (2 * HALF) + d, out, mask=dmask & is_q)
+    kv = dmask & is_k
     slot = tl.load(Slots + t)
-    tl.store(KP + slot * stride_kp + kh * (2 * HALF) + d, out, mask=dmask & is_k)
-    v = tl.load(V + t * stride_v + kh * (2 * HALF) + d, mask=dmask & is_k, other=0.0)
-    tl.store(VP + slot * stride_vp + kh * (2 * HALF) + d, v, mask=dmask & is_k)
+    tl.store(KP + slot * stride_kp + kh * (2 * HALF) + d, out, mask=kv)
+    v = tl.load(V + t * stride_v + kh * (2 * HALF) + d, mask=kv, other=0.0)
+    tl.store(VP + slot * stride_vp + kh * (2 * HALF) + d, v, mask=kv)
 
 
 def qkv_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

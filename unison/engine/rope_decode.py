@@ -4,17 +4,18 @@ In the engine's fused decoder layers (``unison.engine.fused_layer``) a layer's a
 ``qkv_rope_write`` (normalise and rotate q and k, write k and v into the pool) and the paged decode kernel
 (``unison.engine.triton_attention``). At 64 requests on an H200 the first is ~2.7 us a layer (a few KB of work: its
 launch, its loads' latency and the drain before the attention may start), ~4% of a 0.6B decode step. Here the
-attention's program for (sequence, KV head) first does that work for its own heads: the GQA group's query heads and
-its key and value head of the step's token. It stores the rotated queries (the attention reloads them in its own
-layout) and the new key and value at the token's pool slot, waits for its threads (``bar.sync``: a program reads its
-own global writes after it), then runs the decode kernel's program as is. No two programs write the same place and
-no program reads what another writes, so one launch does it all.
+attention's program for (sequence, KV head, split) first does that work for its own heads: the GQA group's query
+heads and its key and value head of the step's token. It stores the rotated queries (the attention reloads them in
+its own layout; each split its own copy) and, in the split whose keys hold the token's position, the new key and
+value at the token's pool slot, waits for its threads (``bar.sync``: a program reads its own global writes after
+it), then runs the decode kernel's program as is. No two programs write the same place and no program reads what
+another writes, so one launch does it all (and the splits' combine, where there are several).
 
 Each value rounds where the two kernels round (``normed_rope`` is their shared code), and both kernels are compiled
 without multiply-add contraction, so the output equals the two launches' bit for bit (tests/test_rope_decode.py).
-Decode-only steps with one split per sequence (``num_splits`` = 1: 64 sequences x 8 KV heads on an H200) take it;
-others keep the two launches. Off until it is measured on a GPU (``TritonPagedBackend.rope_decode``;
-bench/results/h200/speed/attention/README.md says what was predicted and what is still to run).
+Decode-only steps take it (the captured decode graphs'); steps with prefill chunks keep the two launches. Off until
+it is measured on a GPU (``TritonPagedBackend.rope_decode``; bench/results/h200/speed/attention/README.md says what
+was predicted and what is still to run).
 """
 
 from __future__ import annotations
@@ -27,43 +28,51 @@ import triton.language as tl
 
 from . import gdc
 from .fused_layer import normed_rope, store_rotated
-from .triton_attention import LOG2E, decode_program, pipeline_stages
+from .triton_attention import LOG2E, combine_splits, decode_program, pipeline_stages, split_buffers, split_range
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
-def _rope_decode_kernel(QR, KR, VR, QW, KW, Cos, Sin, Slots, QO, K, V, BT, CTX, Out, scale_log2, window, q_heads,
-                        k_heads, stride_qr, stride_kr, stride_vr, stride_c, stride_qo, stride_ks, stride_vs,
+def _rope_decode_kernel(QR, KR, VR, QW, KW, Cos, Sin, Slots, QO, K, V, BT, CTX, Out, PO, PML, scale_log2, window,
+                        q_heads, k_heads, stride_qr, stride_kr, stride_vr, stride_c, stride_qo, stride_ks, stride_vs,
                         stride_bt, stride_on, stride_oh, eps_q, eps_k, HEADS: tl.constexpr, HALF: tl.constexpr,
                         BLOCK: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr, GROUP: tl.constexpr,
-                        BLOCK_G: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
-                        UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_G: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                        WINDOWED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     gdc.wait(PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     t = seq.to(tl.int64)  # a decode-only step: token t is sequence t's query
     r = tl.arange(0, ROWS)  # the group's query heads, then the key head; a padding row names no head
     heads = tl.where(r < GROUP, kvh * GROUP + r, tl.where(r == GROUP, q_heads + kvh, q_heads + k_heads))
     out, d, dmask, is_q, is_k, kh = normed_rope(QR, KR, QW, KW, Cos, Sin, t, heads, q_heads, k_heads, stride_qr,
                                                 stride_kr, stride_c, eps_q, eps_k, HALF, BLOCK, NORM)
-    store_rotated(out, d, dmask, is_q, is_k, kh, heads, t, VR, QO, K, V, Slots, stride_vr, stride_qo, stride_ks,
-                  stride_vs, HALF)
+    # Each split keeps its own copy of the queries; the new key and value are written by the split whose keys hold
+    # the token's position (ctx - 1), the only one that reads them.
+    qo = QO + split * (HEADS * 2 * HALF)
+    ctx = tl.load(CTX + seq).to(tl.int32)
+    start, end = split_range(ctx, window, split, BLOCK_N, SPLITS, WINDOWED)
+    owns = (start < ctx) & (end == ctx)
+    store_rotated(out, d, dmask, is_q, tl.where(owns, is_k, False), kh, heads, t, VR, qo, K, V, Slots, stride_vr,
+                  stride_qo, stride_ks, stride_vs, HALF)  # (``is_k & owns``: a mask the interpreter rejects)
     tl.debug_barrier()  # the query rows and the new key and value, written above, are read below
-    decode_program(QO, K, V, BT, CTX, QO, Out, QO, QO, scale_log2, 1.0, window, stride_qo, 2 * HALF, stride_ks,
-                   2 * HALF, stride_vs, 2 * HALF, stride_bt, stride_on, stride_oh, seq, kvh, 0, HEADS, GROUP,
-                   BLOCK_G, 2 * HALF, BLOCK, 2 * HALF, BLOCK, PAGE, BLOCK_N, 1, WINDOWED, False, False, UPCAST,
+    decode_program(qo, K, V, BT, CTX, qo, Out, PO, PML, scale_log2, 1.0, window, stride_qo, 2 * HALF, stride_ks,
+                   2 * HALF, stride_vs, 2 * HALF, stride_bt, stride_on, stride_oh, seq, kvh, split, HEADS, GROUP,
+                   BLOCK_G, 2 * HALF, BLOCK, 2 * HALF, BLOCK, PAGE, BLOCK_N, SPLITS, WINDOWED, False, False, UPCAST,
                    PRECISION)
 
 
 def rope_paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, block_size: int, scale: float, window: int | None = None,
-                      q_norm: torch.nn.Module | None = None, k_norm: torch.nn.Module | None = None,
+                      q_norm: torch.nn.Module | None = None, k_norm: torch.nn.Module | None = None, splits: int = 1,
                       block_n: int = 64, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
-    """``qkv_rope_write`` then ``paged_decode`` (one split) in one launch, for a decode-only step: row i of q (B, H,
-    D), k and v (B, KVH, D) (each row's heads contiguous) is sequence i's token, at pool slot ``slots[i]`` and
-    position ``context_lens[i] - 1`` (cos, sin: (B, D)); pools (slots, KVH, D) contiguous. Returns (B, H, D)."""
+    """``qkv_rope_write`` then ``paged_decode`` in one launch (two with ``splits`` > 1: the splits' combine), for a
+    decode-only step: row i of q (B, H, D), k and v (B, KVH, D) (each row's heads contiguous) is sequence i's token,
+    at pool slot ``slots[i]`` and position ``context_lens[i] - 1`` (cos, sin: (B, D)); pools (slots, KVH, D)
+    contiguous. Returns (B, H, D)."""
     batch, heads, dim = q.shape
     kv_heads = k.shape[1]
     if (heads % kv_heads or dim % 2 or k_pool.shape[1:] != (kv_heads, dim) or v_pool.shape[1:] != (kv_heads, dim)
@@ -72,18 +81,22 @@ def rope_paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
                          f"{tuple(v_pool.shape)}: not one decode step's heads")
     group = heads // kv_heads
     norm = q_norm is not None
-    q_out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
-    out = torch.empty_like(q_out)
+    q_out = torch.empty(batch, splits, heads, dim, dtype=q.dtype, device=q.device)  # a copy a split
+    out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
+    part_o, part_ml = split_buffers(out, splits)
     block = triton.next_power_of_2(dim)
     num_stages = num_stages or pipeline_stages(block_n, dim, dim, k_pool.element_size())
-    _rope_decode_kernel[(batch, kv_heads)](
+    launch = gdc.launch(q)
+    _rope_decode_kernel[(batch, kv_heads, splits)](
         q, k, v, q_norm.weight if norm else q, k_norm.weight if norm else q, cos, sin, slots, q_out, k_pool, v_pool,
-        block_tables, context_lens, out, scale * LOG2E, window or 0, heads, kv_heads, q.stride(0), k.stride(0),
-        v.stride(0), cos.stride(0), q_out.stride(0), k_pool.stride(0), v_pool.stride(0), block_tables.stride(0),
-        out.stride(0), out.stride(1), q_norm.variance_epsilon if norm else 0.0,
+        block_tables, context_lens, out, part_o, part_ml, scale * LOG2E, window or 0, heads, kv_heads, q.stride(0),
+        k.stride(0), v.stride(0), cos.stride(0), q_out.stride(0), k_pool.stride(0), v_pool.stride(0),
+        block_tables.stride(0), out.stride(0), out.stride(1), q_norm.variance_epsilon if norm else 0.0,
         k_norm.variance_epsilon if norm else 0.0, HEADS=heads, HALF=dim // 2, BLOCK=block,
         ROWS=triton.next_power_of_2(group + 1), NORM=norm, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        PAGE=block_size, BLOCK_N=block_n, WINDOWED=window is not None, UPCAST=_INTERPRET,
+        PAGE=block_size, BLOCK_N=block_n, SPLITS=splits, WINDOWED=window is not None, UPCAST=_INTERPRET,
         PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=num_warps, num_stages=num_stages,
-        enable_fp_fusion=False, **gdc.launch(q))
+        enable_fp_fusion=False, **launch)
+    if splits > 1:
+        combine_splits(part_o, part_ml, None, out, splits, launch)
     return out

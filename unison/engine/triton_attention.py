@@ -75,6 +75,18 @@ def _decode_kernel(Q, K, V, BT, CTX, SINK, Out, PO, PML, scale_log2, cap_log2, w
 
 
 @triton.jit
+def split_range(ctx, window, split, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WINDOWED: tl.constexpr):
+    """Keys start .. end - 1 of a context of ``ctx`` keys (the window's last ``window`` where WINDOWED) that split
+    ``split`` of SPLITS attends to: whole BLOCK_N tiles each, the last split's share shorter or empty."""
+    lo = 0
+    if WINDOWED:
+        lo = tl.maximum(ctx - window, 0)
+    per = tl.cdiv(tl.cdiv(ctx - lo, SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * per
+    return start, tl.minimum(start + per, ctx)
+
+
+@triton.jit
 def decode_program(Q, K, V, BT, CTX, SINK, Out, PO, PML, scale_log2, cap_log2, window, stride_qn, stride_qh,
                    stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, stride_on, stride_oh, seq, kvh, split,
                    HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, K_DIM: tl.constexpr,
@@ -83,12 +95,7 @@ def decode_program(Q, K, V, BT, CTX, SINK, Out, PO, PML, scale_log2, cap_log2, w
                    SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Program (seq, kvh, split) of the decode kernel: its GQA group's queries over its share of the context."""
     ctx = tl.load(CTX + seq).to(tl.int32)  # keys 0 .. ctx-1; the query sits at position ctx-1
-    lo = 0
-    if WINDOWED:
-        lo = tl.maximum(ctx - window, 0)
-    per = tl.cdiv(tl.cdiv(ctx - lo, SPLITS), BLOCK_N) * BLOCK_N
-    start = lo + split * per
-    end = tl.minimum(start + per, ctx)
+    start, end = split_range(ctx, window, split, BLOCK_N, SPLITS, WINDOWED)
 
     g = tl.arange(0, BLOCK_G)
     dk = tl.arange(0, BLOCK_DK)
@@ -197,11 +204,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
     block_dv = triton.next_power_of_2(v_dim)
     out = q.new_empty(batch, heads, v_dim) if out is None else out
     num_stages = num_stages or pipeline_stages(block_n, k_dim, v_dim, k_pool.element_size())
-    if splits > 1:
-        part_o = torch.empty(batch * heads * splits * block_dv, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(batch * heads * splits * 2, dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_ml = out  # unused
+    part_o, part_ml = split_buffers(out, splits)
     sink_arg = sinks if sinks is not None else out  # unused without sinks
     launch = gdc.launch(q)
     _decode_kernel[(batch, kv_heads, splits)](
@@ -214,11 +217,29 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
         UPCAST=_INTERPRET, PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=num_warps,
         num_stages=num_stages, enable_fp_fusion=False, **launch)  # as unison.engine.rope_decode's, bit for bit
     if splits > 1:
-        _combine_kernel[(batch, heads)](part_o, part_ml, sink_arg, out, out.stride(0), out.stride(1), HEADS=heads,
-                                        V_DIM=v_dim, BLOCK_DV=block_dv, SPLITS=splits,
-                                        BLOCK_S=max(2, triton.next_power_of_2(splits)), SINKS=sinks is not None,
-                                        **launch)
+        combine_splits(part_o, part_ml, sinks, out, splits, launch)
     return out
+
+
+def split_buffers(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The splits' unnormalised partial outputs and their (max, sum) pairs, fp32, for ``out`` (B, H, Dv); with one
+    split, ``out`` twice (unused)."""
+    if splits == 1:
+        return out, out
+    batch, heads, v_dim = out.shape
+    rows = batch * heads * splits
+    return (torch.empty(rows * triton.next_power_of_2(v_dim), dtype=torch.float32, device=out.device),
+            torch.empty(rows * 2, dtype=torch.float32, device=out.device))
+
+
+def combine_splits(part_o: torch.Tensor, part_ml: torch.Tensor, sinks: torch.Tensor | None, out: torch.Tensor,
+                   splits: int, launch: dict) -> None:
+    """``out`` (B, H, Dv) from the splits' partials (``split_buffers``), the sinks joining each softmax."""
+    batch, heads, v_dim = out.shape
+    _combine_kernel[(batch, heads)](part_o, part_ml, sinks if sinks is not None else out, out, out.stride(0),
+                                    out.stride(1), HEADS=heads, V_DIM=v_dim, BLOCK_DV=triton.next_power_of_2(v_dim),
+                                    SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+                                    SINKS=sinks is not None, **launch)
 
 
 def pipeline_stages(block_n: int, k_dim: int, v_dim: int, element_size: int) -> int:

@@ -175,15 +175,14 @@ class TritonPagedBackend:
 
     def decode_rope(self, state: TritonState, k_pool, v_pool, slots, q, k, v, cos, sin, q_norm, k_norm, scale,
                     window) -> torch.Tensor | None:
-        """``PagedBatch.attend_rope`` in one launch (``rope_paged_decode``) where it is on (``rope_decode``), every
-        token is a decode query and one split covers each sequence; else None."""
+        """``PagedBatch.attend_rope`` in one launch (``rope_paged_decode``) where it is on (``rope_decode``) and
+        every token is a decode query; else None."""
         decode_only = state.block_tables is not None and state.decode_rows is None and state.chunk_rows is None
-        if (not self.rope_decode or not decode_only or state.prefills or state.splits != 1
-                or is_latent(k_pool, v_pool)
+        if (not self.rope_decode or not decode_only or state.prefills or is_latent(k_pool, v_pool)
                 or not q.dtype == k.dtype == v.dtype == k_pool.dtype == v_pool.dtype == cos.dtype):
             return None
         return rope_paged_decode(q, k, v, cos, sin, k_pool, v_pool, slots, state.block_tables, state.context_lens,
-                                 self.block_size, scale, window, q_norm, k_norm, **self.kernel_args)
+                                 self.block_size, scale, window, q_norm, k_norm, state.splits, **self.kernel_args)
 
     def decode(self, state: TritonState, k_pool, v_pool, q, scale, window, sinks=None, softcap=None) -> torch.Tensor:
         """The step's decode queries alone (``q``: (Sd, H, Dk), the rows of ``state.decode_rows`` or every row)."""
