@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import _INTERPRET, LOG2E, _combine_kernel
+from .triton_attention import _INTERPRET, LOG2E, combine_splits, split_buffers, split_range
 
 BLOCK_H = 16
 
@@ -56,9 +56,7 @@ def _mla_decode_kernel(Q, KV, BT, CTX, Out, PO, PML, scale_log2, stride_qn, stri
     hblock = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(CTX + seq).to(tl.int32)
-    per = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per
-    end = tl.minimum(start + per, ctx)
+    start, end = split_range(ctx, 0, split, BLOCK_N, SPLITS, False)
 
     heads = hblock * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < HEADS
@@ -123,20 +121,13 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, rank: int, block_tables: 
     rope = width - rank
     block_r = triton.next_power_of_2(rank)
     out = q.new_empty(batch, heads, rank) if out is None else out
-    if splits > 1:
-        part_o = torch.empty(batch * heads * splits * block_r, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(batch * heads * splits * 2, dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_ml = out  # unused
+    part_o, part_ml = split_buffers(out, splits)
     _mla_decode_kernel[(batch, head_blocks(heads), splits)](
         q, kv_pool, block_tables, context_lens, out, part_o, part_ml, scale * LOG2E, q.stride(0), q.stride(1),
         kv_pool.stride(0), block_tables.stride(0), out.stride(0), out.stride(1), HEADS=heads, BLOCK_H=BLOCK_H,
         R=rank, BLOCK_R=block_r, E=rope, BLOCK_E=max(16, triton.next_power_of_2(rope)), PAGE=block_size,
         BLOCK_N=block_n, SPLITS=splits, UPCAST=_INTERPRET, PRECISION="ieee" if q.dtype == torch.float32 else None,
         num_warps=num_warps, num_stages=num_stages)
-    if splits > 1:
-        _combine_kernel[(batch, heads)](part_o, part_ml, out, out, out.stride(0), out.stride(1), HEADS=heads,
-                                        V_DIM=rank, BLOCK_DV=block_r, SPLITS=splits,
-                                        BLOCK_S=max(2, triton.next_power_of_2(splits)), SINKS=False,
-                                        PDL=False)  # the latent decode kernel before it launches plainly
+    if splits > 1:  # the latent decode kernel before it launches plainly: so does the combine
+        combine_splits(part_o, part_ml, None, out, splits, {"PDL": False})
     return out
