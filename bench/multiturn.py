@@ -10,6 +10,13 @@ continues on the request's own KV), ``resubmit`` (a new request of the whole con
 extend gets it; the prefix cache serves what it can), ``single`` (one turn of T x K tokens). Reported per mode:
 wall seconds, generated tokens/s, tokens the engine computed (prefill + decode) and its prefix-cache hit rate.
 Random weights of a named shape, no download. Not a test: numbers.
+
+``--stagger``: each conversation's turns take their own lengths (uniform in [K/4, 7K/4], the same draws for every
+mode), so tool replies land on different steps, as with real episodes; ``--waits 0,16`` then runs ``extend`` once
+per ``EngineConfig.prefill_wait_steps`` (set on the one engine's scheduler between runs), the eager steps counted.
+
+    python bench/multiturn.py --device cuda --shape qwen3-0.6b --n 64 --prompt 256 --turns 4 --new 64 \
+      --appended 32 --stagger --waits 0,16,64 --json multiturn_staggered.json
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ def make_engine(model, n: int, prompt: int, turns: int, new: int, appended: int,
                                       max_model_len=total + 8, seed=0))
 
 
-def run(engine: Engine, mode: str, n: int, prompt: int, turns: int, new: int, appended: int) -> dict:
+def run(engine: Engine, mode: str, n: int, prompt: int, turns: int, new: int, appended: int,
+        stagger: bool = False) -> dict:
     """One mode on ``engine`` (shared by the modes, so that none pays kernel compilation or graph capture the
     others do not; its prefix cache is emptied first)."""
     engine.weights_updated(engine.version + 1)  # forgets every cached prefix
@@ -39,14 +47,18 @@ def run(engine: Engine, mode: str, n: int, prompt: int, turns: int, new: int, ap
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (prompt,), generator=g).tolist() for _ in range(n)]
     tool = [[torch.randint(3, vocab, (appended,), generator=g).tolist() for _ in range(turns)] for _ in range(n)]
+    lengths = (torch.randint(max(new // 4, 1), new * 7 // 4 + 1, (n, turns), generator=g).tolist() if stagger
+               else [[new] * turns for _ in range(n)])
     before = engine.stats() | {"prefix_queries": engine.scheduler.prefix_queries,
                                "prefix_hits": engine.scheduler.prefix_hits}
-    k = new * turns if mode == "single" else new
-    params = SamplingParams(max_new_tokens=k, temperature=1.0, stop_token_ids=())
+    single = SamplingParams(max_new_tokens=new * turns, temperature=1.0, stop_token_ids=())
+    turn_params = [[SamplingParams(max_new_tokens=k, temperature=1.0, stop_token_ids=()) for k in row]
+                   for row in lengths]
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    ids = {engine.submit(p, params, continuable=mode == "extend")[0]: i for i, p in enumerate(prompts)}
+    ids = {engine.submit(p, single if mode == "single" else turn_params[i][0], continuable=mode == "extend")[0]: i
+           for i, p in enumerate(prompts)}
     turn = dict.fromkeys(ids, 1)
     generated = 0
     while engine.num_unfinished:
@@ -56,18 +68,21 @@ def run(engine: Engine, mode: str, n: int, prompt: int, turns: int, new: int, ap
                 continue
             i, t = ids[c.request_id], turn[c.request_id]
             if mode == "extend":
-                engine.extend(c.request_id, tool[i][t - 1])
+                engine.extend(c.request_id, tool[i][t - 1], turn_params[i][t])
                 turn[c.request_id] += 1
             else:
-                (rid,) = engine.submit(c.prompt_ids + c.token_ids + tool[i][t - 1], params)
+                (rid,) = engine.submit(c.prompt_ids + c.token_ids + tool[i][t - 1], turn_params[i][t])
                 ids[rid], turn[rid] = i, t + 1
     sync()
     wall = time.perf_counter() - t0
     s = engine.stats() | {"prefix_queries": engine.scheduler.prefix_queries,
                           "prefix_hits": engine.scheduler.prefix_hits}
     queries = s["prefix_queries"] - before["prefix_queries"]
-    return {"mode": mode, "wall_s": wall, "generated_tokens": generated, "tokens_per_s": generated / wall,
+    return {"mode": mode, "prefill_wait_steps": engine.scheduler.prefill_wait, "wall_s": wall,
+            "generated_tokens": generated, "tokens_per_s": generated / wall,
             "tokens_computed": s["tokens_computed"] - before["tokens_computed"],
+            "steps": s["steps"] - before["steps"], "eager_steps": (s["steps"] - s["graph_steps"])
+            - (before["steps"] - before["graph_steps"]),
             "prefix_cache_hit_rate": (s["prefix_hits"] - before["prefix_hits"]) / max(queries, 1)}
 
 
@@ -81,16 +96,21 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128, help="tokens per model turn")
     ap.add_argument("--appended", type=int, default=64, help="tool tokens after each turn but the last")
     ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--stagger", action="store_true", help="each conversation's turns of their own lengths")
+    ap.add_argument("--waits", default="", help="extend once per EngineConfig.prefill_wait_steps, e.g. 0,16")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     model = build(a.shape, a.device, dtype, "unison")
-    workload = {k: getattr(a, k) for k in ("shape", "n", "prompt", "turns", "new", "appended", "block")}
-    engine = make_engine(model, a.n, a.prompt, a.turns, a.new, a.appended, a.block)
+    workload = {k: getattr(a, k) for k in ("shape", "n", "prompt", "turns", "new", "appended", "block", "stagger")}
+    engine = make_engine(model, a.n, a.prompt, a.turns, a.new * (7 if a.stagger else 4) // 4, a.appended, a.block)
     modes = ("extend", "resubmit", "single")
     for m in modes:  # warm-up: kernels compiled, every decode batch size's graph captured
-        run(engine, m, a.n, a.prompt, 2, 8, a.appended)
-    results = [run(engine, m, a.n, a.prompt, a.turns, a.new, a.appended) for m in modes]
+        run(engine, m, a.n, a.prompt, 2, 8, a.appended, a.stagger)
+    results = [run(engine, m, a.n, a.prompt, a.turns, a.new, a.appended, a.stagger) for m in modes]
+    for wait in (int(w) for w in a.waits.split(",") if w):
+        engine.scheduler.prefill_wait = wait
+        results.append(run(engine, "extend", a.n, a.prompt, a.turns, a.new, a.appended, a.stagger))
     out = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "workload": workload,
            "results": results}
     print(json.dumps(out, indent=2))

@@ -23,7 +23,7 @@ from ..dist.topology import Topology
 from ..vision import model as vlm
 from ..vision.inputs import Segment, language_inputs
 from ..vision.prompt import ImagePrompt
-from . import mla, state
+from . import mla, parts, state
 from .attention import NO_MASK
 from .backend import AttentionBackend, PagedBatch, StepLayout, TorchPagedBackend, slots_of
 from .cache import BlockAllocator, KVPool, kv_widths
@@ -31,7 +31,7 @@ from .lm_head import decoder_of, lm_head_of
 from .overlap import Overlap
 from .parts import check_request, engine_forward, eos_ids, fork_rows, resolve_kernels, snapshot_slots, state_pool, uncut
 from .sampler import apply_repetition_penalty, sample
-from .scheduler import Request, ScheduledChunk, Scheduler
+from .scheduler import Request, ScheduledChunk
 from .seeding import SEED_RANGE, request_seed, token_seed
 from .stop import StopStrings
 from .types import Completion, EngineConfig, SamplingParams
@@ -75,10 +75,6 @@ class Engine:
         # Hybrid models' conv / linear-attention / state-space layers: a state per request beside the KV.
         self.states = state_pool(model, self.pool, config.max_num_seqs + snapshot_slots(config), self.device, tp)
         self.allocator = BlockAllocator(config.num_blocks)
-        self.scheduler = Scheduler(self.allocator, config.block_size, config.max_batch_tokens,
-                                   config.max_num_seqs, config.prefix_caching,
-                                   state_slots=config.max_num_seqs if self.states is not None else 0,
-                                   snapshot_slots=snapshot_slots(config) if self.states is not None else 0)
         # The kernels config.attention picks: a given backend replaces its attention, never its sampler.
         kernels = resolve_kernels(config.attention, self.device)
         self.backend = backend or self._default_backend(kernels, kv_heads)
@@ -91,6 +87,8 @@ class Engine:
             self.runner = DecodeRunner(self.decoder, self.lm_head, self.pool, self.backend,
                                        config.max_num_seqs, self.max_model_len, scratch_block=config.num_blocks,
                                        local_forward=self.local_forward, states=self.states)
+        # Prefill held for the graph steps' sake: without graphs every step is eager and holding only adds steps.
+        self.scheduler = parts.scheduler_for(config, self.allocator, self.states is not None, self.runner is not None)
         self.version = 0
         self.eos_ids = eos_ids(model)
         self.generator = torch.Generator(self.device)
@@ -219,13 +217,14 @@ class Engine:
             raise RuntimeError("the engine's KV memory is lent out (inside engine.lend()): step it afterwards")
         finished, self._done = self._done, []
         t0 = self._phase_t = time.perf_counter()
+        hold = self.scheduler.holds()  # new prefill work left for a later step (unison.engine.scheduler)
         if self._overlap is not None and self._overlap.steps:
-            ahead = self._decode_ahead()  # the next step goes to the device before the one in flight is read
+            ahead = self._decode_ahead(hold)  # the next step goes to the device before the one in flight is read
             finished += self._collect()
             if ahead:
                 self._counters["step_s"] += time.perf_counter() - t0
                 return finished
-        chunks = self.scheduler.schedule()
+        chunks = self.scheduler.schedule(hold)
         if not chunks:
             self._counters["step_s"] += time.perf_counter() - t0
             return finished
@@ -272,11 +271,12 @@ class Engine:
         """Whether the fused sampler samples every one of ``reqs`` from the logits alone."""
         return all(uncut(r.params) and r.params.repetition_penalty == 1 for r in reqs)
 
-    def _decode_ahead(self) -> bool:
+    def _decode_ahead(self, hold: bool) -> bool:
         """Launch the decode step after the newest in-flight one, on its requests that may go on, with its sampled
-        tokens as input. False (nothing launched) where the host must see those tokens first."""
+        tokens as input. False (nothing launched) where the host must see those tokens first, or new prefill work
+        is due (not ``hold``)."""
         last = self._overlap.steps[-1]
-        if self.scheduler.waiting or len(self._overlap.steps) > 1:
+        if ((self.scheduler.waiting or self.scheduler.resumed) and not hold) or len(self._overlap.steps) > 1:
             return False
         bs, keep, rows = self.config.block_size, [], []
         for i, (req, position) in enumerate(last.rows):

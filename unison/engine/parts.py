@@ -16,8 +16,8 @@ from ..dist.topology import Topology
 from ..lora import MergedAdapters, engine_merges, is_lora
 from . import moe, state
 from .attention import ATTN_NAME
-from .cache import KVPool
-from .scheduler import Request
+from .cache import BlockAllocator, KVPool
+from .scheduler import Request, Scheduler
 from .types import EngineConfig, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,14 @@ def engine_forward(model: torch.nn.Module, config: EngineConfig, device: torch.d
 def snapshot_slots(config: EngineConfig) -> int:
     """State slots for shared prompts (one per group a hybrid model's samples fork from), beside one per request."""
     return config.max_num_seqs // 4 + 1 if config.prefix_caching else 0
+
+
+def scheduler_for(config: EngineConfig, allocator: BlockAllocator, hybrid: bool, graphs: bool) -> Scheduler:
+    """The engine's scheduler; a hybrid model's with a state slot per request and the shared prompts'. New prefill
+    work is held (``config.prefill_wait_steps``) only where decode steps run as CUDA graphs (``graphs``)."""
+    return Scheduler(allocator, config.block_size, config.max_batch_tokens, config.max_num_seqs, config.prefix_caching,
+                     state_slots=config.max_num_seqs if hybrid else 0, snapshot_slots=snapshot_slots(config) if hybrid
+                     else 0, prefill_wait=config.prefill_wait_steps if graphs else 0)
 
 
 def state_pool(model: torch.nn.Module, pool: KVPool, max_num_seqs: int, device: torch.device,

@@ -49,6 +49,10 @@ class EngineConfig:
     is launched, fed the tokens the last one sampled on the device, before those are read back (unison.engine.overlap).
     A request that stops meanwhile computes one more token, thrown away. Steps with a waiting request, top-k/top-p/
     min-p, a repetition penalty, or a hybrid model's layer states run synchronously; the tokens are the same."""
+    prefill_wait_steps: int = 16
+    """Decode steps that new prefill work (a prompt, the tokens a multi-turn extend appends) may wait while more
+    requests decode than wait, so that arrivals share one eager prefill step instead of each stopping the CUDA-graph
+    decode steps for one of its own (unison.engine.scheduler). 0: prefilled at the next step."""
     moe_kernel: Literal["triton", "transformers"] = "triton"
     """A mixture-of-experts model's experts in the engine's forwards on CUDA: unison's Triton kernels (the routing
     permutation folded into their loads, no host sync; two layouts: the common one, gate and up concatenated, no
@@ -62,6 +66,8 @@ class EngineConfig:
         for name in ("block_size", "max_batch_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_wait_steps < 0:
+            raise ValueError(f"EngineConfig.prefill_wait_steps must be >= 0, got {self.prefill_wait_steps}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
         check_literals(self, "EngineConfig.")

@@ -1,0 +1,106 @@
+"""How many eager steps a multi-turn rollout's scheduling makes, by ``EngineConfig.prefill_wait_steps``: the
+engine's own Scheduler and BlockAllocator, stepped as the engine steps them, on episodes whose turns end at
+different steps (no model: with no stop tokens a turn's length is its ``max_new_tokens``, so which chunks each step
+computes does not depend on the tokens). A step whose chunks are all one-token decodes is a CUDA-graph step on the
+GPU; any other step runs eagerly, host-bound, at many times the cost.
+
+    python bench/prefill_wait.py --json bench/results/cpu/prefill_wait.json
+
+Reported per wait: engine steps, eager steps, and the time they would take at ``--graph-ms`` a decode step and
+``--eager-ms`` an eager one (defaults from one H200 at the Qwen3-0.6B shape and 64 requests: ~1.5 ms a graph
+step, 20-65 ms an eager step; bench/results/h200/speed/goals/probe, speed/rollout). That time is a prediction from
+step counts; bench/multiturn.py --stagger measures it on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+
+from unison.engine.cache import BlockAllocator
+from unison.engine.scheduler import Request, Scheduler
+from unison.engine.types import SamplingParams
+
+
+def episodes_run(wait: int, n: int, prompt: int, turns: int, lengths: tuple[int, int], appended: int,
+                 block: int, budget: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    turn_lengths = [[rng.randint(*lengths) for _ in range(turns)] for _ in range(n)]
+    total = prompt + sum(max(t) for t in zip(*turn_lengths, strict=True)) + turns * appended + turns
+    s = Scheduler(BlockAllocator(n * (-(-total // block) + 1)), block, budget, max_num_seqs=n, prefix_caching=False,
+                  prefill_wait=wait)
+    turn = [0] * n
+    for i in range(n):
+        req = Request(f"r{i}", f"g{i}", [3] * prompt, SamplingParams(max_new_tokens=turn_lengths[i][0]),
+                      frozenset(), prompt + turn_lengths[i][0], arrival=i)
+        req.continuable = True
+        s.add(req)
+    steps = eager = held = 0
+    while s.waiting or s.running:
+        hold = s.holds()
+        chunks = s.schedule(hold)
+        s.after_forward(chunks)
+        steps += 1
+        held += hold
+        eager += not all(c.length == 1 and c.samples for c in chunks)
+        for c in chunks:
+            req = c.request
+            if not c.samples:
+                continue
+            req.output.append(7)
+            if req.num_tokens < req.max_len:
+                continue
+            s.finish(req)
+            i = int(req.request_id[1:])
+            turn[i] += 1
+            if turn[i] < turns:  # the tool's reply appended and the request resumed, as Engine.extend does
+                new = turn_lengths[i][turn[i]]
+                req.prompt, req.output = req.prompt + req.output + [5] * appended, []
+                req.max_len = len(req.prompt) + new
+                s.resume(req)
+            else:
+                s.release(req.request_id)
+    return {"prefill_wait_steps": wait, "steps": steps, "eager_steps": eager, "held_steps": held}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=64, help="episodes")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--min-turn", type=int, default=32, help="a turn's tokens: uniform in [min, max]")
+    ap.add_argument("--max-turn", type=int, default=256)
+    ap.add_argument("--appended", type=int, default=64, help="a tool reply's tokens")
+    ap.add_argument("--budget", type=int, default=2048, help="EngineConfig.max_batch_tokens")
+    ap.add_argument("--waits", default="0,4,8,16,32,64")
+    ap.add_argument("--graph-ms", type=float, default=1.5)
+    ap.add_argument("--eager-ms", type=float, default=20.0)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    workload = {k: getattr(a, k) for k in ("n", "prompt", "turns", "min_turn", "max_turn", "appended", "budget",
+                                             "graph_ms", "eager_ms", "seeds")}
+    rows = []
+    for wait in (int(w) for w in a.waits.split(",")):
+        runs = [episodes_run(wait, a.n, a.prompt, a.turns, (a.min_turn, a.max_turn), a.appended, 16, a.budget, seed)
+                for seed in range(a.seeds)]
+        row = {"prefill_wait_steps": wait}
+        for key in ("steps", "eager_steps", "held_steps"):
+            row[key] = sum(r[key] for r in runs) / len(runs)
+        row["predicted_s"] = ((row["steps"] - row["eager_steps"]) * a.graph_ms + row["eager_steps"] * a.eager_ms) / 1e3
+        rows.append(row)
+    base = rows[0]["predicted_s"]
+    print(f"{'wait':>5} {'steps':>7} {'eager':>7} {'held':>7} {'predicted s':>12} {'vs first':>9}")
+    for r in rows:
+        print(f"{r['prefill_wait_steps']:>5} {r['steps']:>7.1f} {r['eager_steps']:>7.1f} {r['held_steps']:>7.1f} "
+              f"{r['predicted_s']:>12.3f} {base / r['predicted_s']:>8.2f}x")
+    if a.json:
+        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump({"workload": workload, "results": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
