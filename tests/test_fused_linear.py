@@ -162,6 +162,41 @@ def test_fused_projections_swap_and_restore(make, on_cpu, monkeypatch):
             assert "forward" not in module.__dict__
 
 
+class _Subclass(torch.Tensor):  # a tensor subclass (as a DTensor or a quantised weight is one)
+    pass
+
+
+def test_only_plain_linear_layers_are_swapped(on_cpu):
+    """The kernels read a weight's storage as a plain row-major matrix: a tensor-subclass weight, a transposed
+    (non-contiguous) one, a dtype or input width unlike the others', a bias on some only, or a subclass of
+    ``nn.Linear`` keeps the module's own forward."""
+    def group(**change):
+        layers = [torch.nn.Linear(32, n, bias=False) for n in (32, 16, 16)]
+        for name, value in change.items():
+            index, attr = name.split("_", 1)
+            layer = layers[int(index[1:])]
+            if not isinstance(value, torch.nn.Parameter):
+                delattr(layer, attr)  # a plain tensor in the parameter's place
+            setattr(layer, attr, value)
+        return layers
+
+    assert fused_linear._plain(group())
+    assert fused_linear._plain(group(l1_weight=torch.randn(16, 32)))  # a plain tensor, not a Parameter
+    refused = [group(l1_weight=torch.nn.Parameter(torch.randn(16, 32).as_subclass(_Subclass))),
+               group(l2_weight=torch.nn.Parameter(torch.randn(32, 16).t())),
+               group(l0_weight=torch.nn.Parameter(torch.randn(32, 32, dtype=torch.float64))),
+               group(l2_weight=torch.nn.Parameter(torch.randn(16, 48))),
+               group(l1_bias=torch.nn.Parameter(torch.zeros(16)))]
+    refused.append([torch.nn.Linear(32, 32, bias=False), type("Sub", (torch.nn.Linear,), {})(32, 16, bias=False)])
+    assert not any(fused_linear._plain(layers) for layers in refused)
+    model = tiny_llama()
+    attn = model.model.layers[0].self_attn
+    attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight.detach().as_subclass(_Subclass))
+    with fused_projections(model) as switched:
+        assert switched == 2 * model.config.num_hidden_layers - 1  # that attention keeps its own projections
+        assert "forward" not in attn.q_proj.__dict__ and "forward" in model.model.layers[1].self_attn.q_proj.__dict__
+
+
 @pytest.mark.parametrize("joined", [False, True], ids=["apart", "joined"])
 def test_engine_decodes_through_the_fused_projections(joined, on_cpu, monkeypatch):
     """The decode runner's graphs (eager here) run both kernels: the engine's logprobs stay teacher-forced ones, with

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import gdc
-from .fused_linear import partials, swap_forward
+from .fused_linear import partials, plain_weight, swap_forward
 from .fused_norm import add_rms_norm, fusable
 from .fused_rope import ATTENTION_CLASSES
 from .source import body
@@ -325,9 +325,9 @@ def fused_adds(stack: ExitStack, decoder: torch.nn.Module, add_norm=None, call=N
 def _attention_fusable(attn: torch.nn.Module, qk_norm: bool) -> bool:
     """Plain ``nn.Linear`` projections of one dtype, no sinks, norms the kernel computes."""
     linears = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    if not all(type(m) is torch.nn.Linear and type(m.weight.data) is torch.Tensor for m in linears):
+    if not all(type(m) is torch.nn.Linear and plain_weight(m) is not None for m in linears):
         return False
-    dtypes = {m.weight.dtype for m in linears}
+    dtypes = {plain_weight(m).dtype for m in linears}
     if qk_norm:
         if not (fusable(attn.q_norm) and fusable(attn.k_norm)):
             return False

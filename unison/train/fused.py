@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..engine import fused_norm, fused_rope
-from ..engine.fused_linear import joined
+from ..engine.fused_linear import joined, plain_weight
 from ..engine.fused_linear import swiglu_mlps as fused_mlps
 
 _ACTIVE = "_unison_fused_training"
@@ -310,7 +310,7 @@ def _plain_linear(m: torch.nn.Module, x: torch.Tensor, biased: bool = False) -> 
     """An ``nn.Linear`` of x's dtype and device running its own forward without hooks; bias-free unless ``biased``
     (then a bias of x's dtype, if any)."""
     return (type(m) is torch.nn.Linear and (m.bias is None or (biased and m.bias.dtype == x.dtype))
-            and type(m.weight.data) is torch.Tensor
+            and plain_weight(m) is not None
             and m.weight.dtype == x.dtype and m.weight.device == x.device and "forward" not in m.__dict__
             and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks))
 
