@@ -5,6 +5,7 @@ computes does not depend on the tokens). A step whose chunks are all one-token d
 GPU; any other step runs eagerly, host-bound, at many times the cost.
 
     python bench/prefill_wait.py --json bench/results/cpu/prefill_wait.json
+    python bench/prefill_wait.py --refill 64 --prompt 128 --min-turn 64 --max-turn 1024   # single-turn GRPO, refilled
 
 Reported per wait: engine steps, eager steps, and the time they would take at ``--graph-ms`` a decode step and
 ``--eager-ms`` an eager one (defaults from one H200 at the Qwen3-0.6B shape and 64 requests: ~1.5 ms a graph
@@ -65,6 +66,47 @@ def episodes_run(wait: int, n: int, prompt: int, turns: int, lengths: tuple[int,
     return {"prefill_wait_steps": wait, "steps": steps, "eager_steps": eager, "held_steps": held}
 
 
+def refill_run(wait: int, concurrent: int, group: int, groups: int, prompt: int, lengths: tuple[int, int],
+               block: int, budget: int, seed: int) -> dict:
+    """Single-turn GRPO with refill (``RolloutLoop._fill``): ``concurrent`` samples in flight, a new group of
+    ``group`` samples submitted whenever a group's last sample lands, ``groups`` groups in all; each sample's
+    completion of its own length (stop tokens at different steps)."""
+    rng = random.Random(seed)
+    s = Scheduler(BlockAllocator(concurrent * (-(-(prompt + lengths[1]) // block) + 1)), block, budget,
+                  max_num_seqs=concurrent, prefix_caching=False, prefill_wait=wait)
+    submitted, left = 0, {}
+
+    def submit() -> None:
+        nonlocal submitted
+        for j in range(group):
+            new = rng.randint(*lengths)
+            s.add(Request(f"r{submitted}-{j}", f"g{submitted}", [3] * prompt, SamplingParams(max_new_tokens=new),
+                          frozenset(), prompt + new, arrival=submitted * group + j))
+        left[f"g{submitted}"] = group
+        submitted += 1
+
+    for _ in range(concurrent // group):
+        submit()
+    steps = eager = held = 0
+    while s.waiting or s.running:
+        hold = s.holds()
+        chunks = s.schedule(hold)
+        s.after_forward(chunks)
+        steps += 1
+        held += hold
+        eager += not all(c.length == 1 and c.samples for c in chunks)
+        for c in chunks:
+            req = c.request
+            if c.samples:
+                req.output.append(7)
+                if req.num_tokens >= req.max_len:
+                    s.finish(req)
+                    left[req.group_id] -= 1
+                    if left[req.group_id] == 0 and submitted < groups:
+                        submit()
+    return {"prefill_wait_steps": wait, "steps": steps, "eager_steps": eager, "held_steps": held}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=64, help="episodes")
@@ -78,13 +120,18 @@ def main() -> None:
     ap.add_argument("--graph-ms", type=float, default=1.5)
     ap.add_argument("--eager-ms", type=float, default=20.0)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--refill", type=int, default=0, metavar="GROUPS",
+                    help="single-turn GRPO with refill instead: this many groups of 8 through --n samples at once "
+                         "(completions of --min-turn to --max-turn tokens)")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     workload = {k: getattr(a, k) for k in ("n", "prompt", "turns", "min_turn", "max_turn", "appended", "budget",
-                                             "graph_ms", "eager_ms", "seeds")}
+                                             "graph_ms", "eager_ms", "seeds", "refill")}
     rows = []
     for wait in (int(w) for w in a.waits.split(",")):
-        runs = [episodes_run(wait, a.n, a.prompt, a.turns, (a.min_turn, a.max_turn), a.appended, 16, a.budget, seed)
+        runs = [refill_run(wait, a.n, 8, a.refill, a.prompt, (a.min_turn, a.max_turn), 16, a.budget, seed)
+                if a.refill else
+                episodes_run(wait, a.n, a.prompt, a.turns, (a.min_turn, a.max_turn), a.appended, 16, a.budget, seed)
                 for seed in range(a.seeds)]
         row = {"prefill_wait_steps": wait}
         for key in ("steps", "eager_steps", "held_steps"):

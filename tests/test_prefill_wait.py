@@ -1,6 +1,7 @@
 """New prefill work held back while others decode (``EngineConfig.prefill_wait_steps``): the scheduler's rules,
-driven step by step, and the engine's multi-turn episodes with staggered tool replies, which then share eager
-prefill steps and generate the same completions."""
+driven step by step (work that arrives within that many steps of the last prefill waits out the rest, then goes
+together), and the engine's multi-turn episodes with staggered tool replies, which then share eager prefill steps
+and generate the same completions."""
 
 from __future__ import annotations
 
@@ -44,9 +45,9 @@ def decoding(s: Scheduler, n: int) -> None:
 
 
 @pytest.mark.parametrize("wait", [0, 1, 5])
-def test_a_new_prompt_waits_while_more_requests_decode_then_is_prefilled(wait):
+def test_a_prompt_arriving_soon_after_a_prefill_waits_while_more_requests_decode(wait):
     s = scheduler(wait)
-    decoding(s, 4)
+    decoding(s, 4)  # the last step prefilled
     s.add(request(9))
     for _ in range(wait):
         held, chunks = step(s)
@@ -54,6 +55,19 @@ def test_a_new_prompt_waits_while_more_requests_decode_then_is_prefilled(wait):
     held, chunks = step(s)
     assert not held and chunks == [(f"r{i}", 1) for i in range(4)] + [("r9", 5)]
     assert not s.holds() and not s.waiting
+
+
+def test_a_prompt_arriving_after_a_quiet_spell_is_prefilled_at_once():
+    """More than ``prefill_wait`` decode-only steps since the last prefill: arrivals are rare, nothing to batch."""
+    s = scheduler(3)
+    decoding(s, 4)
+    for _ in range(3):
+        assert step(s) == (False, [(f"r{i}", 1) for i in range(4)])
+    s.add(request(9))
+    held, chunks = step(s)
+    assert not held and chunks[-1] == ("r9", 5)
+    s.add(request(10))  # right after that prefill: held for three steps
+    assert [step(s)[0] for _ in range(4)] == [True, True, True, False]
 
 
 def test_nothing_is_held_while_as_many_wait_as_decode_or_nothing_decodes():

@@ -9,10 +9,12 @@ so the oldest request always progresses: no deadlock, no dropped request.
 
 A step with a prefill chunk runs eagerly, outside the CUDA-graph decode steps and many times their cost (a 0.6B
 model on an H200: ~20-60 ms against ~1.5 ms at 64 requests). So new prefill work (waiting requests, the new tokens
-of requests resumed by ``Engine.extend``) that arrives while more requests decode than wait is *held* for up to
-``prefill_wait`` steps, the running requests decoding alone meanwhile, and then prefilled together in one step
-with whatever else arrived: multi-turn episodes whose tool replies land on different steps share eager steps.
-Nothing is held while nothing decodes, while as many wait as decode, or while a prefill is under way.
+of requests resumed by ``Engine.extend``) that arrives within ``prefill_wait`` steps of the last step that
+prefilled such work is *held*, the running requests decoding alone meanwhile, until that many steps have passed,
+and is then prefilled together with whatever else arrived: while arrivals are frequent (multi-turn episodes whose
+tool replies land on different steps) at most one eager step in ``prefill_wait``; an arrival after a quiet spell
+(a refilled GRPO group) is prefilled at once. Nothing is held while nothing decodes, while as many wait as decode,
+or while a prefill is under way.
 
 A finished request submitted as continuable (multi-turn) is *parked*: it keeps its blocks until it is resumed
 with more tokens (``resume``) or released. Parked KV is the first to go when blocks run short (before any running
@@ -96,8 +98,8 @@ class Scheduler:
         self.parked: dict[str, Request] = {}  # finished continuable requests, oldest first, maybe holding KV
         self.resumed: dict[str, Request] = {}  # running again after extend, no chunk of their new tokens scheduled
         self.prefill_wait = prefill_wait
-        self._held = 0  # steps the new prefill work has been held so far
-        self._flushing = False  # its wait is over: scheduled as budget and blocks allow, however long that takes
+        self._since = prefill_wait  # steps since the last step that prefilled anything
+        self._flushing = False  # the held work is due: scheduled as budget and blocks allow, however long that takes
         # A hybrid model's state slots (as many as running requests): one per request holding KV, freed with it.
         self.free_states: list[int] | None = list(range(state_slots - 1, -1, -1)) if state_slots else None
         # ... and the states of shared prompts: prefix hash of a prompt's last cacheable block -> the slot holding
@@ -119,6 +121,7 @@ class Scheduler:
     def holds(self) -> bool:
         """Whether this step holds the new prefill work (``waiting``, ``resumed``) back, decoding the running requests
         alone. The engine asks once a step, before ``schedule(hold)``."""
+        self._since += 1
         pending = len(self.waiting) + len(self.resumed)
         if pending == 0 or self._flushing:
             return False
@@ -128,10 +131,9 @@ class Scheduler:
             if left > 1 and req.request_id not in self.resumed:
                 return False  # a prefill under way: this step is eager anyway
             decoding += left <= 1  # (0: its token is in flight, unison.engine.overlap)
-        if pending >= decoding or self._held >= self.prefill_wait:
+        if pending >= decoding or self._since > self.prefill_wait:
             self._flushing = True
             return False
-        self._held += 1
         return True
 
     def schedule(self, hold: bool = False) -> list[ScheduledChunk]:
@@ -158,10 +160,15 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, req.num_computed, length))
             budget -= length
             i += 1
+            if length > 1:
+                self._since = 0  # a prefill step
         if not preempted and not hold:
+            running = len(chunks)
             budget = self._admit(chunks, budget)
+            if len(chunks) > running:
+                self._since = 0
         if not (self.waiting or self.resumed):
-            self._held, self._flushing = 0, False  # all of it scheduled: the next arrival waits from zero
+            self._flushing = False  # all of it scheduled
         return chunks
 
     def _grow(self, req: Request, length: int) -> bool:

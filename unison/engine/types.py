@@ -50,9 +50,10 @@ class EngineConfig:
     A request that stops meanwhile computes one more token, thrown away. Steps with a waiting request, top-k/top-p/
     min-p, a repetition penalty, or a hybrid model's layer states run synchronously; the tokens are the same."""
     prefill_wait_steps: int = 16
-    """Decode steps that new prefill work (a prompt, the tokens a multi-turn extend appends) may wait while more
-    requests decode than wait, so that arrivals share one eager prefill step instead of each stopping the CUDA-graph
-    decode steps for one of its own (unison.engine.scheduler). 0: prefilled at the next step."""
+    """New prefill work (a prompt, the tokens a multi-turn extend appends) that arrives within this many decode
+    steps of the last prefill waits out the rest while more requests decode than wait, so that frequent arrivals
+    share one eager step instead of each stopping the CUDA-graph decode steps for one of its own; an arrival after a
+    quiet spell is prefilled at once (unison.engine.scheduler). 0: always at the next step."""
     moe_kernel: Literal["triton", "transformers"] = "triton"
     """A mixture-of-experts model's experts in the engine's forwards on CUDA: unison's Triton kernels (the routing
     permutation folded into their loads, no host sync; two layouts: the common one, gate and up concatenated, no
