@@ -27,6 +27,8 @@ from unison.engine.types import SamplingParams
 
 def episodes_run(wait: int, n: int, prompt: int, turns: int, lengths: tuple[int, int], appended: int,
                  block: int, budget: int, seed: int) -> dict:
+    """``n`` continuable episodes of ``turns`` turns, each turn of its own length, each reply of ``appended`` tokens
+    appended as soon as the turn ends (extend, as the episode loop does)."""
     rng = random.Random(seed)
     turn_lengths = [[rng.randint(*lengths) for _ in range(turns)] for _ in range(n)]
     total = prompt + sum(max(t) for t in zip(*turn_lengths, strict=True)) + turns * appended + turns
@@ -38,32 +40,17 @@ def episodes_run(wait: int, n: int, prompt: int, turns: int, lengths: tuple[int,
                       frozenset(), prompt + turn_lengths[i][0], arrival=i)
         req.continuable = True
         s.add(req)
-    steps = eager = held = 0
-    while s.waiting or s.running:
-        hold = s.holds()
-        chunks = s.schedule(hold)
-        s.after_forward(chunks)
-        steps += 1
-        held += hold
-        eager += not all(c.length == 1 and c.samples for c in chunks)
-        for c in chunks:
-            req = c.request
-            if not c.samples:
-                continue
-            req.output.append(7)
-            if req.num_tokens < req.max_len:
-                continue
-            s.finish(req)
-            i = int(req.request_id[1:])
-            turn[i] += 1
-            if turn[i] < turns:  # the tool's reply appended and the request resumed, as Engine.extend does
-                new = turn_lengths[i][turn[i]]
-                req.prompt, req.output = req.prompt + req.output + [5] * appended, []
-                req.max_len = len(req.prompt) + new
-                s.resume(req)
-            else:
-                s.release(req.request_id)
-    return {"prefill_wait_steps": wait, "steps": steps, "eager_steps": eager, "held_steps": held}
+
+    def finished(req: Request) -> None:
+        i = int(req.request_id[1:])
+        turn[i] += 1
+        if turn[i] < turns:  # the tool's reply appended and the request resumed, as Engine.extend does
+            req.prompt, req.output = req.prompt + req.output + [5] * appended, []
+            req.max_len = len(req.prompt) + turn_lengths[i][turn[i]]
+            s.resume(req)
+        else:
+            s.release(req.request_id)
+    return {"prefill_wait_steps": wait} | run_steps(s, finished)
 
 
 def refill_run(wait: int, concurrent: int, group: int, groups: int, prompt: int, lengths: tuple[int, int],
@@ -87,24 +74,32 @@ def refill_run(wait: int, concurrent: int, group: int, groups: int, prompt: int,
 
     for _ in range(concurrent // group):
         submit()
-    steps = eager = held = 0
+
+    def finished(req: Request) -> None:
+        left[req.group_id] -= 1
+        if left[req.group_id] == 0 and submitted < groups:
+            submit()
+    return {"prefill_wait_steps": wait} | run_steps(s, finished)
+
+
+def run_steps(s: Scheduler, finished) -> dict:
+    """Step ``s`` as the engine does until nothing is left, each sampling chunk's request given a token;
+    ``finished(request)`` for each that reached its length (after ``s.finish``). Returns the step counts."""
+    counts = {"steps": 0, "eager_steps": 0, "held_steps": 0}
     while s.waiting or s.running:
         hold = s.holds()
         chunks = s.schedule(hold)
         s.after_forward(chunks)
-        steps += 1
-        held += hold
-        eager += not all(c.length == 1 and c.samples for c in chunks)
+        counts["steps"] += 1
+        counts["held_steps"] += hold
+        counts["eager_steps"] += not all(c.length == 1 and c.samples for c in chunks)
         for c in chunks:
-            req = c.request
             if c.samples:
-                req.output.append(7)
-                if req.num_tokens >= req.max_len:
-                    s.finish(req)
-                    left[req.group_id] -= 1
-                    if left[req.group_id] == 0 and submitted < groups:
-                        submit()
-    return {"prefill_wait_steps": wait, "steps": steps, "eager_steps": eager, "held_steps": held}
+                c.request.output.append(7)
+                if c.request.num_tokens >= c.request.max_len:
+                    s.finish(c.request)
+                    finished(c.request)
+    return counts
 
 
 def main() -> None:

@@ -325,9 +325,10 @@ def fused_adds(stack: ExitStack, decoder: torch.nn.Module, add_norm=None, call=N
 def _attention_fusable(attn: torch.nn.Module, qk_norm: bool) -> bool:
     """Plain ``nn.Linear`` projections of one dtype, no sinks, norms the kernel computes."""
     linears = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    if not all(type(m) is torch.nn.Linear and plain_weight(m) is not None for m in linears):
+    weights = [plain_weight(m) if type(m) is torch.nn.Linear else None for m in linears]
+    if any(w is None for w in weights):
         return False
-    dtypes = {plain_weight(m).dtype for m in linears}
+    dtypes = {w.dtype for w in weights}
     if qk_norm:
         if not (fusable(attn.q_norm) and fusable(attn.k_norm)):
             return False
