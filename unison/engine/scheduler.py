@@ -10,11 +10,11 @@ so the oldest request always progresses: no deadlock, no dropped request.
 A step with a prefill chunk runs eagerly, outside the CUDA-graph decode steps and many times their cost (a 0.6B
 model on an H200: ~20-60 ms against ~1.5 ms at 64 requests). So new prefill work (waiting requests, the new tokens
 of requests resumed by ``Engine.extend``) that arrives within ``prefill_wait`` steps of the last step that
-prefilled such work is *held*, the running requests decoding alone meanwhile, until that many steps have passed,
-and is then prefilled together with whatever else arrived: while arrivals are frequent (multi-turn episodes whose
-tool replies land on different steps) at most one eager step in ``prefill_wait``; an arrival after a quiet spell
-(a refilled GRPO group) is prefilled at once. Nothing is held while nothing decodes, while as many wait as decode,
-or while a prefill is under way.
+prefilled anything (a prompt chunk, an extension) is *held*, the running requests decoding alone meanwhile, until
+that many steps have passed, and is then prefilled together with whatever else arrived: while arrivals are frequent
+(multi-turn episodes whose tool replies land on different steps) at most one eager step in ``prefill_wait``; an
+arrival after a quiet spell (a refilled GRPO group) is prefilled at once. Nothing is held while nothing decodes,
+while as many wait as decode, or while a prefill is under way.
 
 A finished request submitted as continuable (multi-turn) is *parked*: it keeps its blocks until it is resumed
 with more tokens (``resume``) or released. Parked KV is the first to go when blocks run short (before any running
