@@ -40,28 +40,32 @@ def make_checkpoint(shape: str, path: str, dtype: torch.dtype, device: str | tor
     """Random weights of ``shape`` and a word-level tokenizer: word ``w<i>`` is token i, except 0-2, which are
     ``<unk>``, ``<eos>`` (ends a turn) and ``<pad>`` (special tokens must not be substrings of words). Initialising
     on a GPU (``device``) takes seconds where a 1.7B shape takes a minute and a half on the CPU."""
+    model = build_shape(shape, device, dtype)
+    model.config.eos_token_id, model.config.pad_token_id = 1, 2
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 2
+    model.save_pretrained(path)
+    # The turn is the prompt's words alone, so both systems see the same 64 tokens (TRL takes plain-text prompts
+    # as they are; unison renders a chat template).
+    word_tokenizer(model.config.vocab_size, "{% for m in messages %}{{ m['content'] }}{% endfor %}").save_pretrained(
+        path)
+    del model
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def word_tokenizer(vocab: int, chat_template: str):
+    """Word ``w<i>`` is token i, except 0-2: ``<unk>``, ``<eos>`` and ``<pad>``; words split on whitespace."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import PreTrainedTokenizerFast
 
-    model = build_shape(shape, device, dtype)
-    vocab = model.config.vocab_size
-    model.config.eos_token_id, model.config.pad_token_id = 1, 2
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 2
-    model.save_pretrained(path)
     words = ["<unk>", "<eos>", "<pad>"] + [f"w{i}" for i in range(3, vocab)]
     tok = Tokenizer(WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
-                                   unk_token="<unk>")
-    # The turn is the prompt's words alone, so both systems see the same 64 tokens (TRL takes plain-text prompts
-    # as they are; unison renders a chat template).
-    fast.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    fast.save_pretrained(path)
-    del model
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    fast.chat_template = chat_template
+    return fast
 
 
 def build_shape(shape: str, device, dtype: torch.dtype) -> torch.nn.Module:

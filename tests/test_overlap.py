@@ -117,3 +117,80 @@ def test_overlapped_multi_turn_continuation():
             same(x, y)
     assert max_logprob_diff(model, results[1][-1]) < 1e-4
     assert engs[1].stats()["ahead_steps"] > 0
+
+
+def test_releasing_nothing_leaves_the_step_in_flight():
+    """Engine.release drains the step in flight before it frees parked KV; with nothing to free it leaves that step
+    in flight (the multi-turn loop's steps where no episode ended), and a parked request is freed as before."""
+    _, (_, engine) = engines(tiny_llama)
+    (rid,) = engine.submit(random_prompts([5])[0], SamplingParams(max_new_tokens=12, seed=0, stop_token_ids=()),
+                           continuable=True)
+    while not engine._overlap.steps:
+        engine.step()
+    assert engine.release([]) == 0 and engine.release(iter(())) == 0
+    assert engine._overlap.steps  # still in flight
+    done = []
+    while engine.num_unfinished:
+        done += engine.step()
+    assert [len(c.token_ids) for c in done] == [12] and engine.stats()["num_parked"] == 1
+    assert engine.release([rid]) == 1 and engine.stats()["num_parked"] == 0
+
+
+def test_a_continuation_after_its_guessed_row_came_back_leaves_the_step_in_flight():
+    """A continuable request stops on a token while two others decode on; it is extended (then released) only after
+    the step holding its guessed row has come back, as the multi-turn loop does when a reply comes a step or more
+    later: the overlapped engine does both with its other step still in flight, and every completion is the
+    synchronous engine's. Extended at once by one token while four others decode, its guess is in flight and the
+    engine drains first, as it must: without that drain the held reply's decode launched ahead feeds it the guessed
+    token (its logprobs then differ from the synchronous engine's by 0.13, checked)."""
+    model, engs = engines(tiny_llama)
+    prompts = random_prompts([6, 8, 5])
+    results, kept_in_flight = [], []
+    for engine in engs:
+        (rid,) = engine.submit(prompts[0], SamplingParams(max_new_tokens=30, seed=3, stop_token_ids=STOPS),
+                               continuable=True)
+        for i, p in enumerate(prompts[1:]):
+            engine.submit(p, SamplingParams(max_new_tokens=24, seed=i, stop_token_ids=()))
+        done, turn, since, flags = [], 0, None, []
+        while engine.num_unfinished:
+            out = engine.step()
+            done += out
+            if any(c.request_id == rid for c in out):
+                since = 0
+            elif since is not None:
+                since += 1
+            if since == 1 and turn < 1:  # one step after its completion: its guess has come back
+                turn, since = turn + 1, None
+                engine.extend(rid, [41 + turn, 42, 43])
+                flags.append(bool(engine._overlap and engine._overlap.steps))
+            if since == 1 and turn == 1:
+                engine.release([rid])
+                flags.append(bool(engine._overlap and engine._overlap.steps))
+                since = None
+        results.append(sorted(done, key=lambda c: (c.request_id, len(c.prompt_ids))))
+        kept_in_flight.append(flags)
+    assert len(results[0]) == len(results[1]) == 4  # two turns of the continued request, two others
+    for x, y in zip(*results, strict=True):
+        same(x, y)
+    assert max_logprob_diff(model, results[1]) < 1e-4
+    assert kept_in_flight[0] == [False, False]  # synchronous: nothing ever in flight
+    assert kept_in_flight[1] == [True, True], kept_in_flight[1]
+    turns, drained = [], []
+    for engine in engs:  # extended at once, while its guess is in flight
+        (rid2,) = engine.submit(prompts[0], SamplingParams(max_new_tokens=30, seed=3, stop_token_ids=STOPS),
+                                continuable=True)
+        for i, p in enumerate(prompts):  # more decode than wait: the reply's prefill is held, decoding goes ahead
+            engine.submit(p, SamplingParams(max_new_tokens=10, seed=i, stop_token_ids=()))
+        while not any(c.request_id == rid2 for c in engine.step()):
+            pass
+        guessed = any(req.request_id == rid2 for s in (engine._overlap.steps if engine._overlap else ())
+                      for req, _ in s.rows)
+        engine.extend(rid2, [44])
+        drained.append((guessed, bool(engine._overlap and engine._overlap.steps)))
+        done = []
+        while engine.num_unfinished:
+            done += engine.step()
+        turns.append(sorted(done, key=lambda c: c.request_id))
+    assert drained == [(False, False), (True, False)]
+    for x, y in zip(*turns, strict=True):
+        same(x, y)

@@ -159,7 +159,7 @@ class Engine:
         ``prompt_ids`` and only the new turn's tokens as ``token_ids``. ``params`` (n must be 1): the request's own
         when None. Returns ``request_id``. Raises KeyError for a request that is not parked, ValueError for tokens
         the engine refuses (the request stays parked)."""
-        self._drain()
+        self._drain_rows_of([request_id])
         req = self.scheduler.parked.get(request_id)
         if req is None:
             raise KeyError(f"request {request_id!r} is not a finished continuable request: submit it with "
@@ -182,7 +182,8 @@ class Engine:
 
     def release(self, request_ids: Iterable[str]) -> int:
         """Free the KV that finished continuable requests keep for ``extend``. Returns how many were parked."""
-        self._drain()
+        request_ids = list(request_ids)
+        self._drain_rows_of(request_ids)
         return sum(self.scheduler.release(request_id) for request_id in request_ids)
 
     def abort(self, request_ids: Iterable[str]) -> int:
@@ -325,6 +326,16 @@ class Engine:
         """Bring every in-flight step's tokens in; their completions come out of the next ``step()``."""
         while self._overlap is not None and self._overlap.steps:
             self._done.extend(self._collect())
+
+    def _drain_rows_of(self, request_ids: list[str]) -> None:
+        """Drain before extending or releasing these requests only where one is not parked yet, or has a row in
+        flight (a guess launched before its last token was read: the next launch ahead would feed it that token).
+        Otherwise the overlap goes on: a multi-turn loop continues most episodes steps after their turns ended."""
+        if self._overlap is None or not self._overlap.steps:
+            return
+        parked = [self.scheduler.parked.get(request_id) for request_id in request_ids]
+        if None in parked or {id(r) for r in parked} & {id(req) for s in self._overlap.steps for req, _ in s.rows}:
+            self._drain()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[Completion]:
         """Submit every prompt and step until all of their samples finish; completions in submission order.

@@ -18,7 +18,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 from ..engine import Completion
@@ -28,7 +30,7 @@ from ..rollout.loop import RolloutLoop
 from .environment import environment_tools, reset_environment, respond_all, responds
 from .episode import ChatRenderer, Episode
 from .parsing import ParsedTurn, parse_tool_calls
-from .tools import ERROR_KINDS, ToolBox, ToolConfig, ToolResult, cut
+from .tools import ERROR_KINDS, ToolBox, ToolConfig, ToolResult, cut, in_background
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,12 @@ class EpisodeConfig:
     respond past it drops its episode)."""
     max_tool_result_chars: int = 2000
     """A tool reply (or an environment's respond reply) is cut to this many characters."""
+    tools_in_background: bool = True
+    """A turn's tool calls (or the environment's respond) run while the engine decodes the other episodes, and the
+    reply joins its episode at the first engine step after it arrives: a slow tool holds up its own episode only.
+    False: every engine step's calls finish before the next step, so the step a reply lands on (and with it the run)
+    does not depend on how long the tools took. Tensor-parallel runs keep it off (every rank must extend its
+    requests at the same step)."""
 
     def __post_init__(self):
         if self.max_turns < 1:
@@ -61,6 +69,17 @@ class _EpisodeGroup:
     pending: int
     group_id: str = ""  # the engine's, from the first completion that lands
     landed: list[tuple[Episode, float | None]] = field(default_factory=list)
+
+
+@dataclass
+class _Awaiting:
+    """A finished model turn whose tool calls (``parsed``) or environment respond (``parsed`` None) run in the
+    background: ``reply`` is their list of ``ToolResult``, or respond's reply."""
+
+    completion: Completion
+    episode: Episode
+    parsed: ParsedTurn | None
+    reply: Future
 
 
 class MultiTurnRolloutLoop(RolloutLoop):
@@ -84,12 +103,20 @@ class MultiTurnRolloutLoop(RolloutLoop):
         self.toolbox = ToolBox(self.tools, self.tool_cfg) if self.tools else None
         self.environment_factory = environment_factory
         self.episodes: dict[str, Episode] = {}  # request id -> its episode
+        self.awaiting: dict[str, _Awaiting] = {}  # request id -> its turn's tools running in the background
+        self.tool_wait_s = 0.0  # the loop's wait for tools with nothing to decode, since the last batch
         self.episode_window: dict[str, list[float]] = {"turns": [], "tool_calls": [], "tool_s": [],
                                                        "model_tokens": [], "context_tokens": []}
 
     # -- starting episodes --------------------------------------------------------------------------------
 
     def _fill(self) -> None:
+        self._collect(block=False)  # replies that arrived since the last step join their episodes first
+        self._start_groups()
+        if self.awaiting and not self.engine.num_unfinished:  # nothing to decode: wait for the first reply
+            self._collect(block=True)
+
+    def _start_groups(self) -> None:
         tries = 0
         while self.in_flight + self.cfg.group_size <= self.cfg.max_concurrent_rollouts and tries < len(self.rows):
             tries += 1
@@ -162,13 +189,49 @@ class MultiTurnRolloutLoop(RolloutLoop):
                 answering.append((c, ep))
             else:
                 ended.append((c.request_id, ep, False))
+        if self.episode_cfg.tools_in_background:
+            timeout = self.tool_cfg.timeout_s
+            for c, ep, parsed in calling:
+                self.awaiting[c.request_id] = _Awaiting(c, ep, parsed, in_background(ep.tools.call_many, parsed.calls))
+            for c, ep in answering:
+                reply = in_background(lambda env, text: respond_all([(env, text)], timeout)[0], ep.environment,
+                                      ep.last_text)
+                self.awaiting[c.request_id] = _Awaiting(c, ep, None, reply)
+            self._end(ended)
+            return
         # Every episode's calls of this engine step at once: slow tools cost one timeout a step, not one an episode.
+        t0 = time.perf_counter()
         results = _run_all([(ep.tools, parsed.calls) for _, ep, parsed in calling])
         replies = respond_all([(ep.environment, ep.last_text) for _, ep in answering], self.tool_cfg.timeout_s)
+        self.tool_wait_s += time.perf_counter() - t0 if calling or answering else 0.0
         outcomes = [(c, ep, self._next_turn(c, ep, parsed, turn_results))
                     for (c, ep, parsed), turn_results in zip(calling, results, strict=True)]
         outcomes += [(c, ep, self._answer(c, ep, reply)) for (c, ep), reply in zip(answering, replies, strict=True)]
         ended += [(c.request_id, ep, outcome == "dropped") for c, ep, outcome in outcomes if outcome != "continued"]
+        self._end(ended)
+
+    def _collect(self, block: bool) -> None:
+        """Give the turns whose background tools (or respond) have replied their next turn; with ``block``, wait
+        for the first reply first (bounded: every call returns within its timeout)."""
+        if not self.awaiting:
+            return
+        if block:
+            t0 = time.perf_counter()
+            wait([a.reply for a in self.awaiting.values()], return_when=FIRST_COMPLETED)
+            self.tool_wait_s += time.perf_counter() - t0
+        ended: list[tuple[str, Episode, bool]] = []
+        for rid in [rid for rid, a in self.awaiting.items() if a.reply.done()]:
+            a = self.awaiting.pop(rid)
+            outcome = (self._next_turn(a.completion, a.episode, a.parsed, a.reply.result()) if a.parsed is not None
+                       else self._answer(a.completion, a.episode, a.reply.result()))
+            if outcome != "continued":
+                ended.append((rid, a.episode, outcome == "dropped"))
+        self._end(ended)
+
+    def _end(self, ended: list[tuple[str, Episode, bool]]) -> None:
+        """Free, score and file the episodes that ended (request id, episode, dropped)."""
+        if not ended:
+            return
         if self.continues:
             self.engine.release([rid for rid, _, _ in ended])
         self._score([(rid, ep) for rid, ep, dropped in ended if not dropped])
@@ -294,7 +357,10 @@ class MultiTurnRolloutLoop(RolloutLoop):
                   "episode/context_tokens_mean": mean(w["context_tokens"]),
                   "rollout/dropped_episodes": float(self.counts["dropped_episodes"]),
                   "rollout/template_mismatch": float(self.counts["template_mismatch"]),
-                  "tools/truncated": float(self.counts["tools/truncated"])})
+                  "tools/truncated": float(self.counts["tools/truncated"]),
+                  # the loop's wait for tools with nothing to decode: the rollout's time that tools alone took
+                  "rollout/tool_wait_s": self.tool_wait_s})
+        self.tool_wait_s = 0.0
         for kind in ERROR_KINDS:
             m[f"tools/errors/{kind}"] = float(self.counts[f"tools/errors/{kind}"])
         self.episode_window = {k: [] for k in w}

@@ -27,6 +27,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from transformers.utils import get_json_schema
@@ -142,6 +143,22 @@ class ToolBox:
     def _result(self, name: str, text: str, error: str | None, seconds: float = 0.0) -> ToolResult:
         shown = cut(text, self.cfg.max_result_chars)
         return ToolResult(name, shown, error, seconds, truncated=shown != text)
+
+
+def in_background(fn: Callable, *args) -> Future:
+    """``fn(*args)`` in a daemon thread of its own (a hung call never holds the process at exit, as an executor's
+    worker would); its result or exception in the returned future."""
+    future: Future = Future()
+    future.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # handed to whoever reads the future
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
 
 
 def cut(text: str, limit: int) -> str:

@@ -128,7 +128,12 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
         if cfg.eval.steps:
             raise ValueError(f"eval.steps: evaluating a multi-turn task ({task.name}) is not supported yet; set "
                              "eval.steps=0")
-        loop_cls, episodes = MultiTurnRolloutLoop, {"episode_cfg": cfg.episode, "tools": task.tools,
+        episode = cfg.episode
+        if topology.tp is not None and episode.tools_in_background:  # every rank extends at the same step
+            log.info("episode.tools_in_background is off under tensor parallelism: each engine step's tool calls "
+                     "finish before the next step")
+            episode = dataclasses.replace(episode, tools_in_background=False)
+        loop_cls, episodes = MultiTurnRolloutLoop, {"episode_cfg": episode, "tools": task.tools,
                                                     "environment_factory": task.environment_factory}
     rollout = loop_cls(engine, tokenizer, task.rows, task.reward_fns, cfg.rollout, stop_ids, seed=seed,
                        system_prompt=task.system_prompt, max_sample_tokens=row_tokens, scorer=scorer,
