@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
+from concurrent.futures import Future
 
 import pytest
 from multiturn_helpers import one_thread  # noqa: F401
@@ -16,6 +17,7 @@ from test_environment_respond import make_loop as respond_loop
 from test_environments import make_loop, rows
 
 from unison.episodes import EpisodeConfig
+from unison.episodes import loop as episodes_loop
 from unison.tasks.multiturn import GuessNumber
 
 SLOW_SECRET = 7
@@ -122,3 +124,45 @@ def test_the_loop_frees_kv_only_when_an_episode_ended():
     loop.engine.release = recorded
     loop.next_batch(trainer_version=0)
     assert calls and all(calls)
+
+
+def test_a_reply_joins_its_episode_an_engine_step_after_its_turn_ended(monkeypatch):
+    """On an engine that overlaps its decode steps, the step in flight when a turn ends holds a guessed row of that
+    request, and extending or freeing it waits for that step; one engine step later the row has come back. So a
+    reply that is already in (here every call runs inline) joins its episode only after the next engine step, unless
+    the engine has nothing else to decode, and an ended episode's KV is freed after the next step too."""
+
+    def inline(fn, *args):
+        future = Future()
+        future.set_result(fn(*args))
+        return future
+
+    monkeypatch.setattr(episodes_loop, "in_background", inline)
+    loop = make_loop(data=rows((7, 3)), episode=episode(), max_concurrent_rollouts=8)
+    ended_at, blocking, seen = {}, [False], []
+    land, collect, extend, release = loop._land, loop._collect, loop.engine.extend, loop.engine.release
+
+    def landed(completions):
+        ended_at.update((c.request_id, loop.steps + 1) for c in completions)  # the step this _land counts
+        land(completions)
+
+    def collected(block):
+        blocking[0] = block
+        collect(block)
+        blocking[0] = False
+
+    def extended(rid, tokens, params=None):
+        seen.append(("extend", loop.steps > ended_at[rid], blocking[0]))
+        return extend(rid, tokens, params)
+
+    def released(ids):
+        ids = list(ids)
+        seen.extend(("release", loop.steps > ended_at[rid], False) for rid in ids)
+        return release(ids)
+
+    loop._land, loop._collect, loop.engine.extend, loop.engine.release = landed, collected, extended, released
+    batch, metrics = loop.next_batch(trainer_version=0)
+    assert len(batch) == 4 and metrics["episode/turns_mean"] > 1
+    assert {kind for kind, _, _ in seen} == {"extend", "release"}
+    assert all(later or idle for _, later, idle in seen), seen
+    assert any(later and not idle for kind, later, idle in seen if kind == "extend")

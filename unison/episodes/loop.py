@@ -80,6 +80,7 @@ class _Awaiting:
     episode: Episode
     parsed: ParsedTurn | None
     reply: Future
+    step: int  # the loop's engine steps when the turn ended
 
 
 class MultiTurnRolloutLoop(RolloutLoop):
@@ -105,6 +106,11 @@ class MultiTurnRolloutLoop(RolloutLoop):
         self.episodes: dict[str, Episode] = {}  # request id -> its episode
         self.awaiting: dict[str, _Awaiting] = {}  # request id -> its turn's tools running in the background
         self.tool_wait_s = 0.0  # the loop's wait for tools with nothing to decode, since the last batch
+        # An engine that overlaps its decode steps still has a guessed row of a request whose turn just ended in
+        # flight (Engine.extend and release wait for it); one engine step later it has come back. So replies and
+        # frees wait out that step while the engine has other work, and the overlap goes on.
+        self.steps = 0  # engine steps landed
+        self.to_release: list[str] = []  # ended episodes' requests, freed after the next engine step
         self.episode_window: dict[str, list[float]] = {"turns": [], "tool_calls": [], "tool_s": [],
                                                        "model_tokens": [], "context_tokens": []}
 
@@ -169,6 +175,10 @@ class MultiTurnRolloutLoop(RolloutLoop):
     # -- turns ---------------------------------------------------------------------------------------------
 
     def _land(self, completions: list[Completion]) -> None:
+        self.steps += 1
+        if self.to_release:
+            self.engine.release(self.to_release)
+            self.to_release = []
         ended: list[tuple[str, Episode, bool]] = []  # request id, episode, dropped
         calling: list[tuple[Completion, Episode, ParsedTurn]] = []  # turns whose tool calls run now
         answering: list[tuple[Completion, Episode]] = []  # plain turns the environment responds to
@@ -192,11 +202,12 @@ class MultiTurnRolloutLoop(RolloutLoop):
         if self.episode_cfg.tools_in_background:
             timeout = self.tool_cfg.timeout_s
             for c, ep, parsed in calling:
-                self.awaiting[c.request_id] = _Awaiting(c, ep, parsed, in_background(ep.tools.call_many, parsed.calls))
+                self.awaiting[c.request_id] = _Awaiting(c, ep, parsed, in_background(ep.tools.call_many, parsed.calls),
+                                                        self.steps)
             for c, ep in answering:
                 reply = in_background(lambda env, text: respond_all([(env, text)], timeout)[0], ep.environment,
                                       ep.last_text)
-                self.awaiting[c.request_id] = _Awaiting(c, ep, None, reply)
+                self.awaiting[c.request_id] = _Awaiting(c, ep, None, reply, self.steps)
             self._end(ended)
             return
         # Every episode's calls of this engine step at once: slow tools cost one timeout a step, not one an episode.
@@ -211,8 +222,9 @@ class MultiTurnRolloutLoop(RolloutLoop):
         self._end(ended)
 
     def _collect(self, block: bool) -> None:
-        """Give the turns whose background tools (or respond) have replied their next turn; with ``block``, wait
-        for the first reply first (bounded: every call returns within its timeout)."""
+        """Give the turns whose background tools (or respond) have replied their next turn, once an engine step has
+        passed since the turn ended; with ``block`` (the engine has nothing to decode), wait for the first reply
+        and take every reply in (bounded: every call returns within its timeout)."""
         if not self.awaiting:
             return
         if block:
@@ -220,7 +232,7 @@ class MultiTurnRolloutLoop(RolloutLoop):
             wait([a.reply for a in self.awaiting.values()], return_when=FIRST_COMPLETED)
             self.tool_wait_s += time.perf_counter() - t0
         ended: list[tuple[str, Episode, bool]] = []
-        for rid in [rid for rid, a in self.awaiting.items() if a.reply.done()]:
+        for rid in [rid for rid, a in self.awaiting.items() if a.reply.done() and (block or a.step < self.steps)]:
             a = self.awaiting.pop(rid)
             outcome = (self._next_turn(a.completion, a.episode, a.parsed, a.reply.result()) if a.parsed is not None
                        else self._answer(a.completion, a.episode, a.reply.result()))
@@ -233,7 +245,7 @@ class MultiTurnRolloutLoop(RolloutLoop):
         if not ended:
             return
         if self.continues:
-            self.engine.release([rid for rid, _, _ in ended])
+            self.to_release += [rid for rid, _, _ in ended]
         self._score([(rid, ep) for rid, ep, dropped in ended if not dropped])
         for rid, ep, dropped in ended:
             group = self.in_engine.pop(rid)
