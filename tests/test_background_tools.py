@@ -71,24 +71,29 @@ def test_a_slow_tool_holds_up_its_own_episodes_while_the_engine_decodes_the_othe
 
 
 def test_an_idle_engine_waits_for_replies_instead_of_spinning(gate):
-    """Every episode's tool waits on the gate, opened from a timer: the loop blocks on the replies (a handful of
-    engine steps meanwhile, not one per pass of a busy loop) and counts the wait in rollout/tool_wait_s."""
+    """Every episode's tool waits on the gate, which opens 0.2 s after the loop first blocks on the replies: the
+    loop blocks (a handful of idle engine steps, not one per pass of a busy loop) and counts the wait in
+    rollout/tool_wait_s."""
     loop = make_loop(GatedGuess, data=rows((SLOW_SECRET,)), episode=episode(), max_concurrent_rollouts=4)
-    steps, step = [0], loop.engine.step
+    steps, step, collect = [0], loop.engine.step, loop._collect
 
     def counted():
         steps[0] += 1
         return step()
 
-    loop.engine.step = counted
-    timer = threading.Timer(0.5, gate.set)
-    timer.start()
+    def collect_then_open(block):
+        if block and not gate.is_set() and not timers:
+            timers.append(threading.Timer(0.2, gate.set))
+            timers[0].start()
+        collect(block)
+
+    timers = []
+    loop.engine.step, loop._collect = counted, collect_then_open
     batch, metrics = loop.next_batch(trainer_version=0)
-    timer.join()
-    assert len(batch) == 4
+    assert len(timers) == 1 and len(batch) == 4
     idle = steps[0] - loop.engine.stats()["steps"]  # step() calls that found nothing to run
     assert idle <= 4, (idle, steps[0])  # at most one per episode that ended on a reply; a busy loop makes thousands
-    assert metrics["rollout/tool_wait_s"] >= 0.4
+    assert metrics["rollout/tool_wait_s"] >= 0.1  # the wait began before the timer started
 
 
 @pytest.mark.parametrize("make", [make_loop, respond_loop], ids=["tools", "respond"])
