@@ -49,10 +49,10 @@ class EpisodeConfig:
     """A tool reply (or an environment's respond reply) is cut to this many characters."""
     tools_in_background: bool = True
     """A turn's tool calls (or the environment's respond) run while the engine decodes the other episodes, and the
-    reply joins its episode at the first engine step after it arrives: a slow tool holds up its own episode only.
-    False: every engine step's calls finish before the next step, so the step a reply lands on (and with it the run)
-    does not depend on how long the tools took. Tensor-parallel runs keep it off (every rank must extend its
-    requests at the same step)."""
+    reply joins its episode at the first engine step after it arrives (at least one step after the turn ended): a
+    slow tool holds up its own episode only. False: every engine step's calls finish before the next step, so the
+    step a reply lands on (and with it the run) does not depend on how long the tools took. Tensor-parallel runs
+    keep it off (every rank must extend its requests at the same step)."""
 
     def __post_init__(self):
         if self.max_turns < 1:
