@@ -181,7 +181,7 @@ def test_limits_end_episodes_turns_and_tokens():
     batch, metrics = loop.next_batch(trainer_version=0)
     assert metrics["episode/turns_mean"] <= 2
     assert all(len(_spans(s.completion_mask)) <= 3 for s in batch)
-    prompt = len(make_loop()._start(rows()[0]).prompt_ids)
+    prompt = len(make_loop()._start_group(rows()[0])[0].prompt_ids)
     loop = make_loop(episode=EpisodeConfig(max_turns=6, max_tokens=prompt + 40))
     batch, metrics = loop.next_batch(trainer_version=0)
     assert all(s.num_tokens <= prompt + 40 for s in batch)

@@ -299,9 +299,30 @@ class BroadcastScorer(WrappedScorer):
         return self.inner.missing_report() if self.tp.is_main else None
 
     def score(self, *args, **kwargs):
-        result = [self.inner.score(*args, **kwargs) if self.tp.is_main else None]
-        dist.broadcast_object_list(result, src=dist.get_global_rank(self.tp.group, 0), group=self.tp.group)
-        return result[0]
+        return on_main(self.tp, lambda: self.inner.score(*args, **kwargs))
+
+
+def on_main(tp: Ranks | None, fn: Callable[[], object]):
+    """``fn()`` run on rank 0 of the group alone, its result sent to every rank (a collective: all ranks call it, in
+    the same order). What a user's code returns there (tool replies, an environment's observations) is then the same
+    on every rank, and runs once. Where ``fn`` raises, rank 0 raises it and the others a ``RuntimeError`` naming it,
+    rather than waiting for a result that never comes. Without a group (None), just ``fn()``."""
+    if tp is None:
+        return fn()
+    box: list = [None]
+    error = None
+    if tp.is_main:
+        try:
+            box[0] = (True, fn())
+        except Exception as e:
+            error, box[0] = e, (False, f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(box, src=dist.get_global_rank(tp.group, 0), group=tp.group)
+    ok, value = box[0]
+    if error is not None:
+        raise error
+    if not ok:
+        raise RuntimeError(f"tensor-parallel rank 0 failed where this rank waited for its result: {value}")
+    return value
 
 
 def full_state_dict(model: torch.nn.Module, keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:

@@ -47,6 +47,7 @@ import inspect
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 RESERVED = ("reset", "respond")
 """Environment methods the loop calls itself: never offered to the model as tools."""
@@ -70,11 +71,19 @@ def responds(env: object | None) -> bool:
     return env is not None and callable(getattr(env, "respond", None))
 
 
-def respond_all(turns: list[tuple[object, str]], timeout_s: float) -> list[str | None | Exception]:
+@dataclass(frozen=True)
+class Failed:
+    """An environment call that raised (or ran past its timeout), as text: ``why`` reads "ValueError: ...". Plain
+    data, so that tensor-parallel rank 0, which alone runs the environments, can send it to the other ranks."""
+
+    why: str
+
+
+def respond_all(turns: list[tuple[object, str]], timeout_s: float) -> list[str | None | Failed]:
     """``env.respond(text)`` of every (environment, turn text), at once, each in a thread under ``timeout_s``: the
-    reply as text (None: the episode ends), or the exception it raised (a ``TimeoutError`` for one past its
+    reply as text (None: the episode ends), or what it raised (``Failed``; "TimeoutError: ..." for one past its
     timeout); results in order."""
-    results: list = [TimeoutError(f"respond() took longer than {timeout_s:g} s")] * len(turns)
+    results: list = [Failed(f"TimeoutError: respond() took longer than {timeout_s:g} s")] * len(turns)
 
     def run(i: int) -> None:
         env, text = turns[i]
@@ -82,7 +91,7 @@ def respond_all(turns: list[tuple[object, str]], timeout_s: float) -> list[str |
             reply = env.respond(text)
             results[i] = None if reply is None else str(reply)
         except Exception as e:  # a user's environment must not end the run: the caller drops the episode
-            results[i] = e
+            results[i] = Failed(f"{type(e).__name__}: {e}")
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(turns))]
     deadline = time.perf_counter() + timeout_s

@@ -23,11 +23,13 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
+from ..dist.tensor_parallel import on_main
+from ..dist.topology import Ranks
 from ..engine import Completion
 from ..engine.seeding import group_seed
 from ..rollout.advantage import group_advantages
 from ..rollout.loop import RolloutLoop
-from .environment import environment_tools, reset_environment, respond_all, responds
+from .environment import Failed, environment_tools, reset_environment, respond_all, responds
 from .episode import ChatRenderer, Episode
 from .parsing import ParsedTurn, parse_tool_calls
 from .tools import ERROR_KINDS, ToolBox, ToolConfig, ToolResult, cut, in_background
@@ -52,7 +54,8 @@ class EpisodeConfig:
     reply joins its episode at the first engine step after it arrives (at least one step after the turn ended): a
     slow tool holds up its own episode only. False: every engine step's calls finish before the next step, so the
     step a reply lands on (and with it the run) does not depend on how long the tools took. Tensor-parallel runs
-    keep it off (every rank must extend its requests at the same step)."""
+    keep it off (every rank must extend its requests at the same step; rank 0 runs the calls, the others get its
+    replies)."""
 
     def __post_init__(self):
         if self.max_turns < 1:
@@ -85,11 +88,19 @@ class _Awaiting:
 
 class MultiTurnRolloutLoop(RolloutLoop):
     """``RolloutLoop``'s arguments, plus ``tools`` (plain functions shared by every episode) and/or
-    ``environment_factory`` (one object per episode, its public methods the tools)."""
+    ``environment_factory`` (one object per episode, its public methods the tools). ``tp``: a tensor-parallel group
+    whose ranks run this loop in lockstep; its rank 0 alone resets the environments and runs the tool calls and
+    ``respond``, and every rank continues its episodes with rank 0's observations and replies (a tool run on every
+    rank could answer each differently, or time out on one: the ranks' requests would part ways)."""
 
     def __init__(self, engine, tokenizer, rows, reward_fns, cfg, *args, episode_cfg: EpisodeConfig | None = None,
-                 tools: list[Callable] = (), environment_factory: Callable[[], object] | None = None, **kwargs):
+                 tools: list[Callable] = (), environment_factory: Callable[[], object] | None = None,
+                 tp: Ranks | None = None, **kwargs):
         super().__init__(engine, tokenizer, rows, reward_fns, cfg, *args, **kwargs)
+        self.tp = tp
+        if tp is not None and (episode_cfg or EpisodeConfig()).tools_in_background:
+            raise ValueError("episode.tools_in_background needs one process per engine: a tensor-parallel group's "
+                             "ranks must extend their requests at the same engine step (set it to false)")
         # The local engine continues a request on its own KV; an engine without extend() (the clients of `unison
         # serve`) gets each next turn as a new request of the whole conversation (its prefix cache may serve it).
         self.continues = hasattr(engine, "extend")
@@ -127,7 +138,7 @@ class MultiTurnRolloutLoop(RolloutLoop):
         while self.in_flight + self.cfg.group_size <= self.cfg.max_concurrent_rollouts and tries < len(self.rows):
             tries += 1
             row = self._next_row()
-            episodes = [ep for ep in (self._start(row) for _ in range(self.cfg.group_size)) if ep is not None]
+            episodes = [ep for ep in self._start_group(row) if ep is not None]
             if len(episodes) < 2:  # no advantage without two episodes
                 self.counts["skipped_prompts"] += 1
                 continue
@@ -142,16 +153,44 @@ class MultiTurnRolloutLoop(RolloutLoop):
                 continue
             tries = 0
 
-    def _start(self, row: dict) -> Episode | None:
-        env, observation, box = None, None, self.toolbox
-        if self.environment_factory is not None:
-            try:
-                env = self.environment_factory()
-                observation = reset_environment(env, row)
-                box = ToolBox(environment_tools(env) + self.tools, self.tool_cfg, sequential=True)
-            except Exception as e:  # a user's environment must not end the run: the episode is dropped
-                self._drop(f"environment reset failed ({type(e).__name__}: {e})"[:300])
-                return None
+    def _start_group(self, row: dict) -> list[Episode | None]:
+        """A group's episodes of ``row``; None for one whose environment failed to start (dropped and counted)."""
+        if self.environment_factory is None:
+            return [self._episode(row, None, None, self.toolbox) for _ in range(self.cfg.group_size)]
+        made: list[object | Failed] = [None] * self.cfg.group_size
+
+        def reset_all() -> list[str | None | Failed]:  # each episode's observation, or why it failed
+            observations = []
+            for i in range(len(made)):
+                try:
+                    made[i] = self.environment_factory()
+                    observations.append(reset_environment(made[i], row))
+                except Exception as e:  # a user's environment must not end the run: the episode is dropped
+                    observations.append(Failed(f"{type(e).__name__}: {e}"))
+            return observations
+
+        observations = on_main(self.tp, reset_all)  # under tensor parallelism, rank 0's
+        episodes = []
+        for i, observation in enumerate(observations):
+            if isinstance(observation, Failed):
+                self._drop(f"environment reset failed ({observation.why})"[:300])
+                episodes.append(None)
+                continue
+            # The other ranks of a tensor-parallel group make the object for its tools' schemas; never reset or call it
+            env = made[i] if self.tp is None or self.tp.is_main else self._made_for_schemas()
+            box = ToolBox(environment_tools(env) + self.tools, self.tool_cfg, sequential=True)
+            episodes.append(self._episode(row, observation, env, box))
+        return episodes
+
+    def _made_for_schemas(self) -> object:
+        try:
+            return self.environment_factory()
+        except Exception as e:
+            raise RuntimeError(f"environment_factory() raised {type(e).__name__}: {e} on tensor-parallel rank "
+                               f"{self.tp.rank} where rank 0's succeeded: the ranks cannot start the same episodes") \
+                from e
+
+    def _episode(self, row: dict, observation: str | None, env: object | None, box: ToolBox) -> Episode:
         renderer = ChatRenderer(self.tokenizer, box.schemas, self.system_prompt)
         messages = renderer.messages_of(row["prompt"], observation)
         return Episode(row, messages, renderer.prompt_ids(messages), env, box)
@@ -211,9 +250,13 @@ class MultiTurnRolloutLoop(RolloutLoop):
             self._end(ended)
             return
         # Every episode's calls of this engine step at once: slow tools cost one timeout a step, not one an episode.
+        # Under tensor parallelism rank 0 runs them (every rank knows whether this step has any: a collective then).
+        def run_calls() -> tuple[list[list[ToolResult]], list[str | None | Failed]]:
+            return (_run_all([(ep.tools, parsed.calls) for _, ep, parsed in calling]),
+                    respond_all([(ep.environment, ep.last_text) for _, ep in answering], self.tool_cfg.timeout_s))
+
         t0 = time.perf_counter()
-        results = _run_all([(ep.tools, parsed.calls) for _, ep, parsed in calling])
-        replies = respond_all([(ep.environment, ep.last_text) for _, ep in answering], self.tool_cfg.timeout_s)
+        results, replies = on_main(self.tp, run_calls) if calling or answering else ([], [])
         self.tool_wait_s += time.perf_counter() - t0 if calling or answering else 0.0
         outcomes = [(c, ep, self._next_turn(c, ep, parsed, turn_results))
                     for (c, ep, parsed), turn_results in zip(calling, results, strict=True)]
@@ -282,10 +325,10 @@ class MultiTurnRolloutLoop(RolloutLoop):
         replies += [{"role": "tool", "content": f"error: {m}"} for m in parsed.malformed]
         return self._extend(c, ep, replies)
 
-    def _answer(self, c: Completion, ep: Episode, reply: str | None | Exception) -> str:
+    def _answer(self, c: Completion, ep: Episode, reply: str | None | Failed) -> str:
         """Extend the request with the environment's reply to a plain turn, as the next user message."""
-        if isinstance(reply, Exception):  # like a raising tool of an environment: its state is unknown
-            self._drop(f"environment respond failed ({type(reply).__name__}: {reply})"[:300])
+        if isinstance(reply, Failed):  # like a raising tool of an environment: its state is unknown
+            self._drop(f"environment respond failed ({reply.why})"[:300])
             return "dropped"
         if reply is None or ep.turns >= self.episode_cfg.max_turns:
             return "ended"

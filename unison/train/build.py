@@ -134,7 +134,8 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
                      "finish before the next step")
             episode = dataclasses.replace(episode, tools_in_background=False)
         loop_cls, episodes = MultiTurnRolloutLoop, {"episode_cfg": episode, "tools": task.tools,
-                                                    "environment_factory": task.environment_factory}
+                                                    "environment_factory": task.environment_factory,
+                                                    "tp": topology.tp}
     rollout = loop_cls(engine, tokenizer, task.rows, task.reward_fns, cfg.rollout, stop_ids, seed=seed,
                        system_prompt=task.system_prompt, max_sample_tokens=row_tokens, scorer=scorer,
                        agreement=ReadyAgreement(topology.dp, cfg.rollout.samples_per_step, cfg.dist.ready_every)

@@ -1,0 +1,99 @@
+"""One rank of a two-rank tensor-parallel group running the multi-turn loop (run by
+tests/test_tools_tensor_parallel.py; not a test module).
+
+    python tests/peers/tools_tp_peer.py OUT     (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment)
+
+Both ranks hold the same scripted engine (tests/multiturn_helpers.py) and run the loop with ``tp`` set, as every rank
+of `unison train --dist.tp` does. The environment's reset, its tool and its respond each answer with this process's
+rank and count their calls, so a rank that ran them itself would show it in its samples. Each rank saves its
+samples' tokens, the calls it made, and what ``on_main`` raised where rank 0's function failed, to OUT/rank<r>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: conftest and the helpers
+from multiturn_helpers import ScriptedEngine, byte_tokenizer  # noqa: E402
+
+from unison.dist.tensor_parallel import BroadcastScorer, on_main  # noqa: E402
+from unison.dist.topology import Ranks  # noqa: E402
+from unison.episodes import EpisodeConfig, MultiTurnRolloutLoop  # noqa: E402
+from unison.rollout.loop import RolloutConfig  # noqa: E402
+from unison.rollout.rewards import RewardScorer  # noqa: E402
+
+RANK = int(os.environ["RANK"])
+CALLS = {"reset": 0, "tool": 0, "respond": 0}
+END = "<|im_end|>"
+
+
+class RankEcho:
+    """Answers with the rank it runs on; the reward grows with the number it was asked to check."""
+
+    def reset(self, **row) -> str:
+        CALLS["reset"] += 1
+        self.checked = 0
+        return f"reset on rank {RANK}"
+
+    def check(self, number: int) -> str:
+        """Check a number.
+
+        Args:
+            number: The number.
+        """
+        CALLS["tool"] += 1
+        self.checked = number
+        return f"checked {number} on rank {RANK}"
+
+    def respond(self, text: str) -> str | None:
+        CALLS["respond"] += 1
+        return None if "again" in text else f"respond on rank {RANK}: again?"
+
+
+def script(req, context: str) -> str:
+    """First turn calls the tool with a number that depends on the sample, then answers; after respond, ends."""
+    if "respond on rank" in context:
+        return f"ok, again{END}"
+    if "checked" in context:
+        return f"done{END}"
+    n = int(req.request_id.rsplit("-", 1)[1]) + 1
+    return f'<tool_call>{{"name": "check", "arguments": {{"number": {n}}}}}</tool_call>{END}'
+
+
+def checked(prompts, completions, environments, **_):
+    return [float(env.checked) for env in environments]
+
+
+def main():
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    tp = Ranks(RANK, 2, torch.device("cpu"), dist.group.WORLD)
+    tok = byte_tokenizer()
+    rows = [{"prompt": f"Question {i}."} for i in range(3)]
+    loop = MultiTurnRolloutLoop(ScriptedEngine(tok, script), tok, rows, [(checked, 1.0)],
+                                RolloutConfig(group_size=4, samples_per_step=8, max_concurrent_rollouts=8,
+                                              max_new_tokens=96),
+                                stop_token_ids=[257], max_sample_tokens=2048,
+                                scorer=BroadcastScorer(RewardScorer([(checked, 1.0)]), tp),
+                                episode_cfg=EpisodeConfig(max_turns=4, tools_in_background=False),
+                                environment_factory=RankEcho, tp=tp)
+    batch, metrics = loop.next_batch(trainer_version=0)
+    errors = []
+    try:
+        on_main(tp, lambda: 1 / 0)
+    except Exception as e:
+        errors.append(f"{type(e).__name__}: {e}")
+    with open(os.path.join(sys.argv[1], f"rank{RANK}.json"), "w") as f:
+        json.dump({"samples": [[list(s.prompt_ids), list(s.completion_ids), s.reward] for s in batch],
+                   "texts": [tok.decode(list(s.completion_ids)) for s in batch], "calls": CALLS,
+                   "turns_mean": metrics["episode/turns_mean"], "errors": errors}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
