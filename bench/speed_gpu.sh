@@ -102,11 +102,13 @@ for mode in "${@:-profile}"; do
         --completion 512 --json "$out/train_launches.json" 2>&1 | grep -A12 '"forward"'
       (cd bench && python3 train_profile.py --shape qwen3-0.6b --rows ${ROWS:-16384 20480 24576 40960} --kernels on \
         --json "$out/train_profile_0.6b_rows.json" 2>&1 | quiet 8) ;;
-    goals)
-      python3 bench/grpo_step.py --systems unison,trl --shapes qwen3-0.6b,qwen3-1.7b --steps 5 --trl-steps 2 \
-        --unison-set save_final=false --json "$out/grpo_step.json" --workdir /tmp/goals 2>&1 | grep -A3 "^workload"
-      cp /tmp/goals/*.log "$out/" 2>/dev/null  # a failed worker's whole output
-      (cd bench
+    goals)  # GOALS_PARTS: "grpo" (with TRL), "rest" (engine, train_profile) or both (default; two calls: one each)
+      if [[ "${GOALS_PARTS:-grpo rest}" == *grpo* ]]; then
+        python3 bench/grpo_step.py --systems unison,trl --shapes qwen3-0.6b,qwen3-1.7b --steps 5 --trl-steps 2 \
+          --unison-set save_final=false --json "$out/grpo_step.json" --workdir /tmp/goals 2>&1 | grep -A3 "^workload"
+        cp /tmp/goals/*.log "$out/" 2>/dev/null  # a failed worker's whole output
+      fi
+      [[ "${GOALS_PARTS:-grpo rest}" == *rest* ]] && (cd bench
        python3 engine.py --device cuda --shape qwen3-0.6b --concurrency 256 --prompt 128 --new 256 --transformers \
          --json "$out/engine_0.6b_256.json" 2>&1 | grep -A2 "^workload"
        python3 engine.py --device cuda --shape qwen3-0.6b --concurrency 64 --prompt 128 --new 256 \
@@ -137,23 +139,28 @@ PY
       python3 -c "import csv,sys; [print(r['Section Name'][:24], '|', r['Metric Name'][:48], '|', r['Metric Value'], \
         r['Metric Unit']) for r in csv.DictReader(l for l in open(sys.argv[1]) if not l.startswith('=='))]" \
         "$out/ncu_decode_64x352.csv" | head -90 ;;
-    rope)
-      timeout 240 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_rope_decode.py \
-        "tests/test_fused_layer_gpu.py::test_engine_with_the_one_launch_attention_equals_the_two_launches" \
-        "tests/test_triton_gpu.py::test_decode_kernel_on_gpu" > "$out/gpu_tests.log" 2>&1
-      echo "tests rc=$?"; tail -3 "$out/gpu_tests.log"
+    rope)  # ROPE_PARTS: which of "tests kernels rollout sampler" (default all)
+      if [[ "${ROPE_PARTS:-tests}" == *tests* ]]; then
+        timeout 240 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_rope_decode.py \
+          "tests/test_fused_layer_gpu.py::test_engine_with_the_one_launch_attention_equals_the_two_launches" \
+          "tests/test_triton_gpu.py::test_decode_kernel_on_gpu" > "$out/gpu_tests.log" 2>&1
+        echo "tests rc=$?"; tail -3 "$out/gpu_tests.log"
+      fi
       for on in 0 1; do
+        [[ "${ROPE_PARTS:-kernels}" == *kernels* ]] || continue
         mkdir -p "$out/rope$on"
         UNISON_ROPE_DECODE=$on CTX=300 OUT="$out/rope$on" timeout 120 python3 bench/decode_step_kernels.py \
           > "$out/decode_step_rope$on.out" 2>&1; grep "PDL=" "$out/decode_step_rope$on.out"
       done
       for on in 1 0; do
+        [[ "${ROPE_PARTS:-rollout}" == *rollout* ]] || continue
         UNISON_ROPE_DECODE=$on timeout 150 python3 bench/rollout_steps.py --shape qwen3-0.6b --steps 3 \
           --json "$out/rollout_rope$on.json" > "$out/rollout_rope$on.out" 2>&1
         echo "UNISON_ROPE_DECODE=$on"; grep -A6 "^rollout  total" "$out/rollout_rope$on.out" | grep -v "host ms"
         grep "train_s of" "$out/rollout_rope$on.out"
       done
-      timeout 90 python3 bench/sampler_parts.py --json "$out/sampler_parts.json" | tail -24 ;;
+      [[ "${ROPE_PARTS:-sampler}" == *sampler* ]] && timeout 90 python3 bench/sampler_parts.py \
+        --json "$out/sampler_parts.json" | tail -24 ;;
     multiturn)
       timeout 300 python3 bench/multiturn.py --device cuda --shape qwen3-0.6b --n 64 --prompt 256 --turns 4 --new 64 \
         --appended 32 --stagger --waits 0,16,64 --json "$out/multiturn_staggered.json" > "$out/multiturn.out" 2>&1
