@@ -12,17 +12,22 @@ import sys
 from test_tensor_parallel import PEERS, free_port
 
 
-def test_rank_zero_runs_the_environment_and_every_rank_gets_its_replies(tmp_path):
+def two_ranks(out, *args: str) -> list[dict]:
+    """``peers/tools_tp_peer.py OUT [args]`` as ranks 0 and 1 of a gloo group; each rank's saved result."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, os.path.join(PEERS, "tools_tp_peer.py"), str(tmp_path)],
+    procs = [subprocess.Popen([sys.executable, os.path.join(PEERS, "tools_tp_peer.py"), str(out), *args],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
              for r in range(2)]
     for p in procs:
-        out, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, out[-3000:]
-    zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+        text, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, text[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_rank_zero_runs_the_environment_and_every_rank_gets_its_replies(tmp_path):
+    zero, one = two_ranks(tmp_path)
     # Every episode ran its tool turn and the respond turn: 3 model turns each, 8 samples.
     assert len(zero["samples"]) == 8 and zero["turns_mean"] == one["turns_mean"] == 3
     assert zero["calls"]["reset"] >= 8 and zero["calls"]["tool"] >= 8 and zero["calls"]["respond"] >= 16
@@ -34,3 +39,25 @@ def test_rank_zero_runs_the_environment_and_every_rank_gets_its_replies(tmp_path
     assert zero["errors"] == ["ZeroDivisionError: division by zero"]
     assert one["errors"] == ["RuntimeError: tensor-parallel rank 0 failed where this rank waited for its result: "
                              "ZeroDivisionError: division by zero"]
+
+
+def test_unison_train_with_tensor_parallelism_runs_episodes_on_rank_zero(tmp_path):
+    """`unison train --dist.tp=2` with an environment that answers with its rank: the run's own check that every rank
+    trained the same samples passes (an environment reset on each rank puts its rank in the prompt and fails it),
+    and rank 1 never called the environment. (The random model's turns mostly end at the length limit, which ends
+    an episode without ``respond``: the loop test above covers the replies.)"""
+    import torch
+    from multiturn_helpers import IM_END, VOCAB, byte_tokenizer
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model_dir = tmp_path / "model"
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=IM_END,
+                                 pad_token_id=IM_END + 1)).save_pretrained(model_dir)
+    byte_tokenizer().save_pretrained(model_dir)  # ChatML: the environment's replies render as user turns
+    zero, one = two_ranks(tmp_path, str(model_dir))
+    assert zero["turns_mean"] == one["turns_mean"] >= 1
+    assert zero["calls"]["reset"] >= 8
+    assert one["calls"] == {"reset": 0, "tool": 0, "respond": 0}

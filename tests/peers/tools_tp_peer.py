@@ -1,12 +1,15 @@
 """One rank of a two-rank tensor-parallel group running the multi-turn loop (run by
 tests/test_tools_tensor_parallel.py; not a test module).
 
-    python tests/peers/tools_tp_peer.py OUT     (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment)
+    python tests/peers/tools_tp_peer.py OUT              (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the
+    python tests/peers/tools_tp_peer.py OUT MODEL_DIR    environment)
 
 Both ranks hold the same scripted engine (tests/multiturn_helpers.py) and run the loop with ``tp`` set, as every rank
 of `unison train --dist.tp` does. The environment's reset, its tool and its respond each answer with this process's
 rank and count their calls, so a rank that ran them itself would show it in its samples. Each rank saves its
 samples' tokens, the calls it made, and what ``on_main`` raised where rank 0's function failed, to OUT/rank<r>.json.
+With MODEL_DIR, the ranks instead run `unison train --dist.tp=2` on that model with the environment (a random model
+makes no tool calls: ``respond`` answers its turns); the run checks that both ranks trained the same samples.
 """
 
 from __future__ import annotations
@@ -69,7 +72,25 @@ def checked(prompts, completions, environments, **_):
     return [float(env.checked) for env in environments]
 
 
+def train_run(out: str, model_dir: str) -> None:
+    from test_train_e2e import run_cfg
+
+    from unison.tasks.task import Task
+    from unison.train.loop import train
+
+    rows = [{"prompt": f"Question {i}."} for i in range(4)]
+    task = Task("rank_echo", rows, [(lambda completions, **_: [float(len(c)) for c in completions], 1.0)],
+                environment_factory=RankEcho)
+    metrics = train(run_cfg(model_dir, os.path.join(out, "run"), "--dist.tp=2", "--max_steps=1",
+                            "--episode.max_turns=3", "--step.max_tokens_per_row=2048",
+                            "--engine.num_blocks=2048"), task)
+    with open(os.path.join(out, f"rank{RANK}.json"), "w") as f:
+        json.dump({"calls": CALLS, "turns_mean": metrics["episode/turns_mean"]}, f)
+
+
 def main():
+    if len(sys.argv) > 2:
+        return train_run(*sys.argv[1:3])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     tp = Ranks(RANK, 2, torch.device("cpu"), dist.group.WORLD)
