@@ -1,6 +1,7 @@
 """Multi-turn episodes under tensor parallelism: rank 0 alone resets the environments and runs the tools and
-``respond``; every rank continues its episodes with rank 0's replies, so the ranks' requests stay the same (a reply
-that differed between ranks, or a tool that timed out on one, would part them)."""
+``respond`` (waited for, or in the background); every rank continues its episodes with rank 0's replies at the same
+engine steps, so the ranks' requests stay the same (a reply that differed between ranks, or a tool that timed out on
+one, would part them)."""
 
 from __future__ import annotations
 
@@ -28,14 +29,17 @@ def two_ranks(out, *args: str) -> list[dict]:
 
 def test_rank_zero_runs_the_environment_and_every_rank_gets_its_replies(tmp_path):
     zero, one = two_ranks(tmp_path)
-    # Every episode ran its tool turn and the respond turn: 3 model turns each, 8 samples.
-    assert len(zero["samples"]) == 8 and zero["turns_mean"] == one["turns_mean"] == 3
-    assert zero["calls"]["reset"] >= 8 and zero["calls"]["tool"] >= 8 and zero["calls"]["respond"] >= 16
-    assert one["calls"] == {"reset": 0, "tool": 0, "respond": 0}
-    assert one["samples"] == zero["samples"]  # prompts, every turn's tokens, rewards: the same on both ranks
-    for text in one["texts"]:
-        assert "on rank 0" in text and "on rank 1" not in text
-    assert sorted({s[2] for s in zero["samples"]}) == [1.0, 2.0, 3.0, 4.0]  # the rewards read rank 0's environments
+    for mode in ("waiting", "background"):
+        a, b = zero[mode], one[mode]
+        # Every episode ran its tool turn and the respond turn: 3 model turns each, 8 samples.
+        assert len(a["samples"]) == 8 and a["turns_mean"] == b["turns_mean"] == 3, mode
+        assert a["calls"]["reset"] >= 8 and a["calls"]["tool"] >= 8 and a["calls"]["respond"] >= 16, mode
+        assert b["calls"] == {"reset": 0, "tool": 0, "respond": 0}, mode
+        # prompts, every turn's tokens, rewards, and the engine steps they took: the same on both ranks
+        assert b["samples"] == a["samples"] and b["engine_steps"] == a["engine_steps"], mode
+        for text in b["texts"]:
+            assert "on rank 0" in text and "on rank 1" not in text
+        assert sorted({s[2] for s in a["samples"]}) == [1.0, 2.0, 3.0, 4.0]  # rewards read rank 0's environments
     assert zero["errors"] == ["ZeroDivisionError: division by zero"]
     assert one["errors"] == ["RuntimeError: tensor-parallel rank 0 failed where this rank waited for its result: "
                              "ZeroDivisionError: division by zero"]

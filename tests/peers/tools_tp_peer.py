@@ -5,9 +5,11 @@ tests/test_tools_tensor_parallel.py; not a test module).
     python tests/peers/tools_tp_peer.py OUT MODEL_DIR    environment)
 
 Both ranks hold the same scripted engine (tests/multiturn_helpers.py) and run the loop with ``tp`` set, as every rank
-of `unison train --dist.tp` does. The environment's reset, its tool and its respond each answer with this process's
-rank and count their calls, so a rank that ran them itself would show it in its samples. Each rank saves its
-samples' tokens, the calls it made, and what ``on_main`` raised where rank 0's function failed, to OUT/rank<r>.json.
+of `unison train --dist.tp` does, with the tools run in the background and waited for. The environment's reset, its
+tool and its respond each answer with this process's rank and count their calls, and rank 0's tool takes a
+different time for each sample, so a rank that ran them itself would show it in its samples. Each rank saves, per
+mode, its samples' tokens, the calls it made and the engine steps it took, and what ``on_main`` raised where rank 0's
+function failed, to OUT/rank<r>.json.
 With MODEL_DIR, the ranks instead run `unison train --dist.tp=2` on that model with the environment (a random model
 makes no tool calls: ``respond`` answers its turns); the run checks that both ranks trained the same samples.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -50,6 +53,7 @@ class RankEcho:
             number: The number.
         """
         CALLS["tool"] += 1
+        time.sleep(0.01 * number)  # replies come back on different engine steps
         self.checked = number
         return f"checked {number} on rank {RANK}"
 
@@ -96,23 +100,28 @@ def main():
     tp = Ranks(RANK, 2, torch.device("cpu"), dist.group.WORLD)
     tok = byte_tokenizer()
     rows = [{"prompt": f"Question {i}."} for i in range(3)]
-    loop = MultiTurnRolloutLoop(ScriptedEngine(tok, script), tok, rows, [(checked, 1.0)],
-                                RolloutConfig(group_size=4, samples_per_step=8, max_concurrent_rollouts=8,
-                                              max_new_tokens=96),
-                                stop_token_ids=[257], max_sample_tokens=2048,
-                                scorer=BroadcastScorer(RewardScorer([(checked, 1.0)]), tp),
-                                episode_cfg=EpisodeConfig(max_turns=4, tools_in_background=False),
-                                environment_factory=RankEcho, tp=tp)
-    batch, metrics = loop.next_batch(trainer_version=0)
+    result = {}
+    for background in (False, True):
+        CALLS.update(reset=0, tool=0, respond=0)
+        loop = MultiTurnRolloutLoop(ScriptedEngine(tok, script), tok, rows, [(checked, 1.0)],
+                                    RolloutConfig(group_size=4, samples_per_step=8, max_concurrent_rollouts=8,
+                                                  max_new_tokens=96),
+                                    stop_token_ids=[257], max_sample_tokens=2048,
+                                    scorer=BroadcastScorer(RewardScorer([(checked, 1.0)]), tp),
+                                    episode_cfg=EpisodeConfig(max_turns=4, tools_in_background=background),
+                                    environment_factory=RankEcho, tp=tp)
+        batch, metrics = loop.next_batch(trainer_version=0)
+        result["background" if background else "waiting"] = {
+            "samples": [[list(s.prompt_ids), list(s.completion_ids), s.reward] for s in batch],
+            "texts": [tok.decode(list(s.completion_ids)) for s in batch], "calls": dict(CALLS),
+            "turns_mean": metrics["episode/turns_mean"], "engine_steps": metrics["rollout/engine_steps"]}
     errors = []
     try:
         on_main(tp, lambda: 1 / 0)
     except Exception as e:
         errors.append(f"{type(e).__name__}: {e}")
     with open(os.path.join(sys.argv[1], f"rank{RANK}.json"), "w") as f:
-        json.dump({"samples": [[list(s.prompt_ids), list(s.completion_ids), s.reward] for s in batch],
-                   "texts": [tok.decode(list(s.completion_ids)) for s in batch], "calls": CALLS,
-                   "turns_mean": metrics["episode/turns_mean"], "errors": errors}, f)
+        json.dump({**result, "errors": errors}, f)
     dist.destroy_process_group()
 
 

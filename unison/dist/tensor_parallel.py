@@ -302,6 +302,17 @@ class BroadcastScorer(WrappedScorer):
         return on_main(self.tp, lambda: self.inner.score(*args, **kwargs))
 
 
+def host_ranks(topology: Topology) -> Ranks | None:
+    """This rank's tensor-parallel group again, as a gloo group: ``on_main`` over it moves host objects without
+    waiting for the device (over NCCL an object broadcast is a device copy the host waits for, behind the decode step
+    in flight). A collective: every process calls it. None without tensor parallelism."""
+    if topology.tp is None:
+        return None
+    layout = topology.mesh.mesh.reshape(-1, topology.tp.world).tolist()  # (dp, tp): a row per tensor-parallel group
+    group, _ = dist.new_subgroups_by_enumeration(layout, backend="gloo")
+    return Ranks(topology.tp.rank, topology.tp.world, torch.device("cpu"), group)
+
+
 def on_main(tp: Ranks | None, fn: Callable[[], object]):
     """``fn()`` run on rank 0 of the group alone, its result sent to every rank (a collective: all ranks call it, in
     the same order). What a user's code returns there (tool replies, an environment's observations) is then the same

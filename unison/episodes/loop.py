@@ -53,9 +53,9 @@ class EpisodeConfig:
     """A turn's tool calls (or the environment's respond) run while the engine decodes the other episodes, and the
     reply joins its episode at the first engine step after it arrives (at least one step after the turn ended): a
     slow tool holds up its own episode only. False: every engine step's calls finish before the next step, so the
-    step a reply lands on (and with it the run) does not depend on how long the tools took. Tensor-parallel runs
-    keep it off (every rank must extend its requests at the same step; rank 0 runs the calls, the others get its
-    replies)."""
+    step a reply lands on (and with it the run) does not depend on how long the tools took. Under tensor
+    parallelism rank 0 runs the calls and, before each engine step while any are out, tells every rank which
+    replies join (a broadcast over a gloo group: the host's, the device is not waited for)."""
 
     def __post_init__(self):
         if self.max_turns < 1:
@@ -82,25 +82,24 @@ class _Awaiting:
     completion: Completion
     episode: Episode
     parsed: ParsedTurn | None
-    reply: Future
+    reply: Future | None  # None on tensor-parallel ranks other than 0 (rank 0 runs the calls)
     step: int  # the loop's engine steps when the turn ended
 
 
 class MultiTurnRolloutLoop(RolloutLoop):
     """``RolloutLoop``'s arguments, plus ``tools`` (plain functions shared by every episode) and/or
     ``environment_factory`` (one object per episode, its public methods the tools). ``tp``: a tensor-parallel group
-    whose ranks run this loop in lockstep; its rank 0 alone resets the environments and runs the tool calls and
-    ``respond``, and every rank continues its episodes with rank 0's observations and replies (a tool run on every
-    rank could answer each differently, or time out on one: the ranks' requests would part ways)."""
+    whose ranks run this loop in lockstep (best a gloo one, ``unison.dist.tensor_parallel.host_ranks``); its rank 0
+    alone resets the environments and runs the tool calls and ``respond``, and every rank continues its episodes with
+    rank 0's observations and replies, at the same engine steps (a tool run on every rank could answer each
+    differently, or time out on one: the ranks' requests would part ways)."""
 
     def __init__(self, engine, tokenizer, rows, reward_fns, cfg, *args, episode_cfg: EpisodeConfig | None = None,
                  tools: list[Callable] = (), environment_factory: Callable[[], object] | None = None,
                  tp: Ranks | None = None, **kwargs):
         super().__init__(engine, tokenizer, rows, reward_fns, cfg, *args, **kwargs)
         self.tp = tp
-        if tp is not None and (episode_cfg or EpisodeConfig()).tools_in_background:
-            raise ValueError("episode.tools_in_background needs one process per engine: a tensor-parallel group's "
-                             "ranks must extend their requests at the same engine step (set it to false)")
+        self.runs_tools = tp is None or tp.is_main
         # The local engine continues a request on its own KV; an engine without extend() (the clients of `unison
         # serve`) gets each next turn as a new request of the whole conversation (its prefix cache may serve it).
         self.continues = hasattr(engine, "extend")
@@ -241,11 +240,11 @@ class MultiTurnRolloutLoop(RolloutLoop):
         if self.episode_cfg.tools_in_background:
             timeout = self.tool_cfg.timeout_s
             for c, ep, parsed in calling:
-                self.awaiting[c.request_id] = _Awaiting(c, ep, parsed, in_background(ep.tools.call_many, parsed.calls),
-                                                        self.steps)
+                reply = in_background(ep.tools.call_many, parsed.calls) if self.runs_tools else None
+                self.awaiting[c.request_id] = _Awaiting(c, ep, parsed, reply, self.steps)
             for c, ep in answering:
                 reply = in_background(lambda env, text: respond_all([(env, text)], timeout)[0], ep.environment,
-                                      ep.last_text)
+                                      ep.last_text) if self.runs_tools else None
                 self.awaiting[c.request_id] = _Awaiting(c, ep, None, reply, self.steps)
             self._end(ended)
             return
@@ -270,18 +269,25 @@ class MultiTurnRolloutLoop(RolloutLoop):
         and take every reply in (bounded: every call returns within its timeout)."""
         if not self.awaiting:
             return
+        t0 = time.perf_counter()
+        replies = on_main(self.tp, lambda: self._replies(block))  # under tensor parallelism rank 0's, for every rank
         if block:
-            t0 = time.perf_counter()
-            wait([a.reply for a in self.awaiting.values()], return_when=FIRST_COMPLETED)
             self.tool_wait_s += time.perf_counter() - t0
         ended: list[tuple[str, Episode, bool]] = []
-        for rid in [rid for rid, a in self.awaiting.items() if a.reply.done() and (block or a.step < self.steps)]:
+        for rid, reply in replies.items():
             a = self.awaiting.pop(rid)
-            outcome = (self._next_turn(a.completion, a.episode, a.parsed, a.reply.result()) if a.parsed is not None
-                       else self._answer(a.completion, a.episode, a.reply.result()))
+            outcome = (self._next_turn(a.completion, a.episode, a.parsed, reply) if a.parsed is not None
+                       else self._answer(a.completion, a.episode, reply))
             if outcome != "continued":
                 ended.append((rid, a.episode, outcome == "dropped"))
         self._end(ended)
+
+    def _replies(self, block: bool) -> dict:
+        """The replies that join their episodes now (request id -> reply), on the rank that runs the calls."""
+        if block:
+            wait([a.reply for a in self.awaiting.values()], return_when=FIRST_COMPLETED)
+        return {rid: a.reply.result() for rid, a in self.awaiting.items()
+                if a.reply.done() and (block or a.step < self.steps)}
 
     def _end(self, ended: list[tuple[str, Episode, bool]]) -> None:
         """Free, score and file the episodes that ended (request id, episode, dropped)."""

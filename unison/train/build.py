@@ -14,7 +14,7 @@ import torch
 
 from ..config import InvalidInputError
 from ..dist.runtime import ReadyAgreement
-from ..dist.tensor_parallel import BroadcastEngine, BroadcastScorer
+from ..dist.tensor_parallel import BroadcastEngine, BroadcastScorer, host_ranks
 from ..dist.topology import Topology, init_topology
 from ..engine import Engine, EngineConfig
 from ..episodes.loop import MultiTurnRolloutLoop
@@ -128,14 +128,10 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
         if cfg.eval.steps:
             raise ValueError(f"eval.steps: evaluating a multi-turn task ({task.name}) is not supported yet; set "
                              "eval.steps=0")
-        episode = cfg.episode
-        if topology.tp is not None and episode.tools_in_background:  # every rank extends at the same step
-            log.info("episode.tools_in_background is off under tensor parallelism: each engine step's tool calls "
-                     "finish before the next step")
-            episode = dataclasses.replace(episode, tools_in_background=False)
-        loop_cls, episodes = MultiTurnRolloutLoop, {"episode_cfg": episode, "tools": task.tools,
+        # Under tensor parallelism rank 0 runs the tools; the ranks agree on their replies over a gloo group.
+        loop_cls, episodes = MultiTurnRolloutLoop, {"episode_cfg": cfg.episode, "tools": task.tools,
                                                     "environment_factory": task.environment_factory,
-                                                    "tp": topology.tp}
+                                                    "tp": host_ranks(topology)}
     rollout = loop_cls(engine, tokenizer, task.rows, task.reward_fns, cfg.rollout, stop_ids, seed=seed,
                        system_prompt=task.system_prompt, max_sample_tokens=row_tokens, scorer=scorer,
                        agreement=ReadyAgreement(topology.dp, cfg.rollout.samples_per_step, cfg.dist.ready_every)
