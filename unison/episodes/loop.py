@@ -156,7 +156,7 @@ class MultiTurnRolloutLoop(RolloutLoop):
         """A group's episodes of ``row``; None for one whose environment failed to start (dropped and counted)."""
         if self.environment_factory is None:
             return [self._episode(row, None, None, self.toolbox) for _ in range(self.cfg.group_size)]
-        made: list[object | Failed] = [None] * self.cfg.group_size
+        made: list[object | None] = [None] * self.cfg.group_size  # rank 0's environments
 
         def reset_all() -> list[str | None | Failed]:  # each episode's observation, or why it failed
             observations = []
