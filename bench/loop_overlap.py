@@ -48,10 +48,8 @@ def rewards(prompts, completions, **_) -> list[float]:
     return [float(len(c)) for c in completions]  # a spread within every group
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+def workload_args(ap: argparse.ArgumentParser) -> None:
+    """The episodes' options (shared with ``bench/tool_latency_tp.py``)."""
     ap.add_argument("--episodes", type=int, default=16, help="in flight, and per batch")
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--turns", type=int, default=3)
@@ -59,27 +57,41 @@ def main() -> None:
     ap.add_argument("--stop-words", type=int, default=48, help="one in this many words ends a turn")
     ap.add_argument("--reply", type=int, default=16, help="words of the environment's reply")
     ap.add_argument("--batches", type=int, default=2)
+
+
+def episode_loop(a, model, engine_config: dict, episode_config: dict, environment=answer_every_turn,
+                 **loop_kwargs) -> MultiTurnRolloutLoop:
+    """The loop of ``a``'s workload on ``model`` (an engine of ``engine_config``'s extra fields), its environment
+    made by ``environment(reply)``."""
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    rows = [{"prompt": " ".join(f"w{i}" for i in torch.randint(3, vocab, (32,), generator=g).tolist())}
+            for _ in range(64)]
+    reply = " ".join(f"w{i}" for i in torch.randint(3, vocab, (a.reply,), generator=g).tolist())
+    max_tokens = 32 + a.turns * (a.new + a.reply + 2)
+    engine = Engine(model, EngineConfig(num_blocks=a.episodes * (max_tokens // 16 + 2), block_size=16,
+                                        max_model_len=max_tokens, seed=0, **engine_config))
+    return MultiTurnRolloutLoop(
+        engine, word_tokenizer(vocab, TEMPLATE), rows, [(rewards, 1.0)],
+        RolloutConfig(group_size=a.group, samples_per_step=a.episodes, max_concurrent_rollouts=a.episodes,
+                      max_new_tokens=a.new), list(range(3, vocab, a.stop_words)), seed=0, max_sample_tokens=max_tokens,
+        episode_cfg=EpisodeConfig(max_turns=a.turns, **episode_config), environment_factory=environment(reply),
+        **loop_kwargs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    workload_args(ap)
     ap.add_argument("--blocking", action="store_true", help="episode.tools_in_background=false")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     model = build(a.shape, a.device, dtype, "unison")
-    vocab = model.config.vocab_size
-    tokenizer = word_tokenizer(vocab, TEMPLATE)
-    g = torch.Generator().manual_seed(0)
-    rows = [{"prompt": " ".join(f"w{i}" for i in torch.randint(3, vocab, (32,), generator=g).tolist())}
-            for _ in range(64)]
-    reply = " ".join(f"w{i}" for i in torch.randint(3, vocab, (a.reply,), generator=g).tolist())
-    stops = list(range(3, vocab, a.stop_words))
-    max_tokens = 32 + a.turns * (a.new + a.reply + 2)
-    engine = Engine(model, EngineConfig(num_blocks=a.episodes * (max_tokens // 16 + 2), block_size=16,
-                                        max_model_len=max_tokens, seed=0, attention="triton"))
-    loop = MultiTurnRolloutLoop(
-        engine, tokenizer, rows, [(rewards, 1.0)],
-        RolloutConfig(group_size=a.group, samples_per_step=a.episodes, max_concurrent_rollouts=a.episodes,
-                      max_new_tokens=a.new), stops, seed=0, max_sample_tokens=max_tokens,
-        episode_cfg=EpisodeConfig(max_turns=a.turns, **({"tools_in_background": False} if a.blocking else {})),
-        environment_factory=answer_every_turn(reply))
+    loop = episode_loop(a, model, {"attention": "triton"},
+                        {"tools_in_background": False} if a.blocking else {})
+    engine = loop.engine
     loop.next_batch(trainer_version=0)  # warm-up: kernels compiled, graphs captured
     before = engine.stats()
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)

@@ -25,15 +25,11 @@ import time
 import torch
 import torch.distributed as dist
 from engine import build  # noqa: E402  (bench/engine.py)
-from grpo_step import word_tokenizer  # noqa: E402
-from loop_overlap import TEMPLATE, rewards  # noqa: E402
+from loop_overlap import episode_loop, workload_args  # noqa: E402
 
 from unison.dist import tensor_parallel  # noqa: E402
 from unison.dist.topology import Ranks  # noqa: E402
-from unison.engine import Engine, EngineConfig  # noqa: E402
-from unison.episodes import EpisodeConfig, MultiTurnRolloutLoop  # noqa: E402
 from unison.episodes import loop as episodes_loop  # noqa: E402
-from unison.rollout.loop import RolloutConfig  # noqa: E402
 
 
 def slow_answers(reply: str, latency: float):
@@ -65,22 +61,9 @@ class Counted:
 
 def run(a, latency: float, background: bool, tp: Ranks | None) -> dict:
     torch.manual_seed(0)
-    model = build("tiny", "cpu", torch.float32, "unison")
-    vocab = model.config.vocab_size
-    tokenizer = word_tokenizer(vocab, TEMPLATE)
-    g = torch.Generator().manual_seed(0)
-    rows = [{"prompt": " ".join(f"w{i}" for i in torch.randint(3, vocab, (32,), generator=g).tolist())}
-            for _ in range(64)]
-    reply = " ".join(f"w{i}" for i in torch.randint(3, vocab, (a.reply,), generator=g).tolist())
-    max_tokens = 32 + a.turns * (a.new + a.reply + 2)
-    engine = Engine(model, EngineConfig(num_blocks=a.episodes * (max_tokens // 16 + 2), block_size=16,
-                                        max_model_len=max_tokens, seed=0))
-    loop = MultiTurnRolloutLoop(
-        engine, tokenizer, rows, [(rewards, 1.0)],
-        RolloutConfig(group_size=a.group, samples_per_step=a.episodes, max_concurrent_rollouts=a.episodes,
-                      max_new_tokens=a.new), list(range(3, vocab, a.stop_words)), seed=0, max_sample_tokens=max_tokens,
-        episode_cfg=EpisodeConfig(max_turns=a.turns, tools_in_background=background),
-        environment_factory=slow_answers(reply, latency), tp=tp)
+    loop = episode_loop(a, build("tiny", "cpu", torch.float32, "unison"), {}, {"tools_in_background": background},
+                        lambda reply: slow_answers(reply, latency), tp=tp)
+    engine = loop.engine
     loop.next_batch(trainer_version=0)  # warm-up
     counted = episodes_loop.on_main = Counted()
     steps0, t0, waited = engine.stats()["steps"], time.perf_counter(), 0.0
@@ -120,13 +103,7 @@ def rank_main(a) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--latency", default="0,0.1,0.5", help="seconds the environment takes to answer, comma-separated")
-    ap.add_argument("--episodes", type=int, default=16, help="in flight, and per batch")
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--new", type=int, default=64, help="max_new_tokens of a turn")
-    ap.add_argument("--stop-words", type=int, default=48, help="one in this many words ends a turn")
-    ap.add_argument("--reply", type=int, default=16, help="words of the environment's reply")
-    ap.add_argument("--batches", type=int, default=2)
+    workload_args(ap)
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     if "RANK" in os.environ:

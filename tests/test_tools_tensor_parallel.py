@@ -5,30 +5,11 @@ one, would part them)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
-from test_tensor_parallel import PEERS, free_port
-
-
-def two_ranks(out, *args: str) -> list[dict]:
-    """``peers/tools_tp_peer.py OUT [args]`` as ranks 0 and 1 of a gloo group; each rank's saved result."""
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, os.path.join(PEERS, "tools_tp_peer.py"), str(out), *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
-             for r in range(2)]
-    for p in procs:
-        text, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, text[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+from test_tensor_parallel import run_two_ranks
 
 
 def test_rank_zero_runs_the_environment_and_every_rank_gets_its_replies(tmp_path):
-    zero, one = two_ranks(tmp_path)
+    zero, one = run_two_ranks("tools_tp_peer.py", out=tmp_path)
     for mode in ("waiting", "background"):
         a, b = zero[mode], one[mode]
         # Every episode ran its tool turn and the respond turn: 3 model turns each, 8 samples.
@@ -61,7 +42,7 @@ def test_unison_train_with_tensor_parallelism_runs_episodes_on_rank_zero(tmp_pat
                                  max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=IM_END,
                                  pad_token_id=IM_END + 1)).save_pretrained(model_dir)
     byte_tokenizer().save_pretrained(model_dir)  # ChatML: the environment's replies render as user turns
-    zero, one = two_ranks(tmp_path, str(model_dir))
+    zero, one = run_two_ranks("tools_tp_peer.py", str(model_dir), out=tmp_path)
     assert zero["turns_mean"] == one["turns_mean"] >= 1
     assert zero["calls"]["reset"] >= 8
     assert one["calls"] == {"reset": 0, "tool": 0, "respond": 0}

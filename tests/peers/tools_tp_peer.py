@@ -2,21 +2,20 @@
 tests/test_tools_tensor_parallel.py; not a test module).
 
     python tests/peers/tools_tp_peer.py OUT              (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the
-    python tests/peers/tools_tp_peer.py OUT MODEL_DIR    environment)
+    python tests/peers/tools_tp_peer.py MODEL_DIR OUT    environment)
 
 Both ranks hold the same scripted engine (tests/multiturn_helpers.py) and run the loop with ``tp`` set, as every rank
 of `unison train --dist.tp` does, with the tools run in the background and waited for. The environment's reset, its
 tool and its respond each answer with this process's rank and count their calls, and rank 0's tool takes a
 different time for each sample, so a rank that ran them itself would show it in its samples. Each rank saves, per
 mode, its samples' tokens, the calls it made and the engine steps it took, and what ``on_main`` raised where rank 0's
-function failed, to OUT/rank<r>.json.
+function failed, to OUT/rank<r>.pt.
 With MODEL_DIR, the ranks instead run `unison train --dist.tp=2` on that model with the environment (a random model
 makes no tool calls: ``respond`` answers its turns); the run checks that both ranks trained the same samples.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -76,7 +75,7 @@ def checked(prompts, completions, environments, **_):
     return [float(env.checked) for env in environments]
 
 
-def train_run(out: str, model_dir: str) -> None:
+def train_run(model_dir: str, out: str) -> None:
     from test_train_e2e import run_cfg
 
     from unison.tasks.task import Task
@@ -88,13 +87,12 @@ def train_run(out: str, model_dir: str) -> None:
     metrics = train(run_cfg(model_dir, os.path.join(out, "run"), "--dist.tp=2", "--max_steps=1",
                             "--episode.max_turns=3", "--step.max_tokens_per_row=2048",
                             "--engine.num_blocks=2048"), task)
-    with open(os.path.join(out, f"rank{RANK}.json"), "w") as f:
-        json.dump({"calls": CALLS, "turns_mean": metrics["episode/turns_mean"]}, f)
+    torch.save({"calls": CALLS, "turns_mean": metrics["episode/turns_mean"]}, os.path.join(out, f"rank{RANK}.pt"))
 
 
 def main():
     if len(sys.argv) > 2:
-        return train_run(*sys.argv[1:3])
+        return train_run(*sys.argv[1:3])  # MODEL_DIR OUT
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     tp = Ranks(RANK, 2, torch.device("cpu"), dist.group.WORLD)
@@ -120,8 +118,7 @@ def main():
         on_main(tp, lambda: 1 / 0)
     except Exception as e:
         errors.append(f"{type(e).__name__}: {e}")
-    with open(os.path.join(sys.argv[1], f"rank{RANK}.json"), "w") as f:
-        json.dump({**result, "errors": errors}, f)
+    torch.save({**result, "errors": errors}, os.path.join(sys.argv[1], f"rank{RANK}.pt"))
     dist.destroy_process_group()
 
 
