@@ -11,7 +11,8 @@ different time for each sample, so a rank that ran them itself would show it in 
 mode, its samples' tokens, the calls it made and the engine steps it took, and what ``on_main`` raised where rank 0's
 function failed, to OUT/rank<r>.pt.
 With MODEL_DIR, the ranks instead run `unison train --dist.tp=2` on that model with the environment (a random model
-makes no tool calls: ``respond`` answers its turns); the run checks that both ranks trained the same samples.
+makes no tool calls, and its turns mostly end at the length limit: the resets are what differ by rank); the run
+checks that both ranks trained the same samples.
 """
 
 from __future__ import annotations
