@@ -14,8 +14,10 @@ call that drains it (``release``, ``extend``, ``abort``) makes the next step wai
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import time
 
 import torch
@@ -86,6 +88,7 @@ def main() -> None:
     workload_args(ap)
     ap.add_argument("--blocking", action="store_true", help="episode.tools_in_background=false")
     ap.add_argument("--json", default="")
+    ap.add_argument("--cprofile", default="", help="write cProfile's top functions of the eager steps here (text)")
     a = ap.parse_args()
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     model = build(a.shape, a.device, dtype, "unison")
@@ -93,6 +96,35 @@ def main() -> None:
                         {"tools_in_background": False} if a.blocking else {})
     engine = loop.engine
     loop.next_batch(trainer_version=0)  # warm-up: kernels compiled, graphs captured
+    eager = {"steps": 0, "s": 0.0}  # the engine steps that ran outside the decode graphs (a prefill in them)
+    step = engine.step
+
+    profiled: list[pstats.Stats] = []
+
+    def timed_step():
+        before_step, t = dict(engine._counters), time.perf_counter()
+        profile = cProfile.Profile() if a.cprofile else None
+        out = profile.runcall(step) if profile else step()
+        after = engine._counters
+        if after["graph_steps"] == before_step["graph_steps"] and after["steps"] > before_step["steps"]:
+            eager["steps"], eager["s"] = eager["steps"] + 1, eager["s"] + time.perf_counter() - t
+            if profile:
+                profiled.append(pstats.Stats(profile))
+        return out
+    engine.step = timed_step
+    spent = {"_fill": 0.0, "_land": 0.0}  # the loop's own work between engine steps
+
+    def timed(name):
+        fn = getattr(loop, name)
+
+        def run(*args):
+            t = time.perf_counter()
+            out = fn(*args)
+            spent[name] += time.perf_counter() - t
+            return out
+        return run
+    for name in spent:
+        setattr(loop, name, timed(name))
     before = engine.stats()
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     sync()
@@ -108,9 +140,25 @@ def main() -> None:
                                                    "reply", "batches", "blocking")},
            "wall_s": round(wall, 3), "steps": steps, "graph_steps": s["graph_steps"] - before["graph_steps"],
            "ahead_steps": s["ahead_steps"] - before["ahead_steps"],
+           # the engine's step() calls (launches, bookkeeping, and waiting for the device's tokens), and the rest
+           "engine_step_s": round(s["step_s"] - before["step_s"], 3),
+           "engine_wait_s": round(s["wait_s"] - before["wait_s"], 3),
+           "outside_steps_s": round(wall - (s["step_s"] - before["step_s"]), 3),
+           "tokens_computed": s["tokens_computed"] - before["tokens_computed"],
+           "eager_steps": eager["steps"], "eager_steps_s": round(eager["s"], 3),
+           "loop_fill_s": round(spent["_fill"], 3), "loop_land_s": round(spent["_land"], 3),
            "turns_mean": sum(m["episode/turns_mean"] for m in metrics) / len(metrics),
            "template_mismatch": metrics[-1]["rollout/template_mismatch"]}
     print(json.dumps(out, indent=2))
+    if profiled:
+        with open(a.cprofile, "w") as f:
+            stats = profiled[0]
+            for more in profiled[1:]:
+                stats.add(more)
+            stats.stream = f
+            print(f"{len(profiled)} eager steps, {eager['s']:.3f} s (under cProfile)", file=f)
+            stats.sort_stats("tottime").print_stats(45)
+            stats.sort_stats("cumulative").print_stats(45)
     if a.json:
         os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
         with open(a.json, "w") as f:

@@ -8,9 +8,10 @@ GPU; any other step runs eagerly, host-bound, at many times the cost.
     python bench/prefill_wait.py --refill 64 --prompt 128 --min-turn 64 --max-turn 1024   # single-turn GRPO, refilled
 
 Reported per wait: engine steps, eager steps, and the time they would take at ``--graph-ms`` a decode step and
-``--eager-ms`` an eager one (defaults from one H200 at the Qwen3-0.6B shape and 64 requests: ~1.5 ms a graph
-step, 20-65 ms an eager step; bench/results/h200/speed/goals/probe, speed/rollout). That time is a prediction from
-step counts; bench/multiturn.py --stagger measures it on the GPU.
+``--eager-ms`` an eager one. The defaults are fitted to ``bench/multiturn.py --stagger`` on one H200 at the Qwen3-0.6B
+shape and 64 episodes (bench/results/h200/speed/multiturn: waits 0 / 16 / 64 took 5.38 / 1.51-1.60 / 1.17 s over
+382 / 404 / 459 steps of which 136 / 28 / 16 eager; 1.37 ms a decode step and 37 ms an eager one fit the first two and
+predict 1.20 s for the third). That time is a prediction from step counts.
 """
 
 from __future__ import annotations
@@ -111,9 +112,9 @@ def main() -> None:
     ap.add_argument("--max-turn", type=int, default=256)
     ap.add_argument("--appended", type=int, default=64, help="a tool reply's tokens")
     ap.add_argument("--budget", type=int, default=2048, help="EngineConfig.max_batch_tokens")
-    ap.add_argument("--waits", default="0,4,8,16,32,64")
-    ap.add_argument("--graph-ms", type=float, default=1.5)
-    ap.add_argument("--eager-ms", type=float, default=20.0)
+    ap.add_argument("--waits", default="0,16,32,64,128")
+    ap.add_argument("--graph-ms", type=float, default=1.37)
+    ap.add_argument("--eager-ms", type=float, default=37.0)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--refill", type=int, default=0, metavar="GROUPS",
                     help="single-turn GRPO with refill instead: this many groups of 8 through --n samples at once "

@@ -143,7 +143,9 @@ def test_a_continuation_after_its_guessed_row_came_back_leaves_the_step_in_fligh
     synchronous engine's. Extended at once by one token while four others decode, its guess is in flight and the
     engine drains first, as it must: without that drain the held reply's decode launched ahead feeds it the guessed
     token (its logprobs then differ from the synchronous engine's by 0.13, checked)."""
-    model, engs = engines(tiny_llama)
+    # Held for at most 16 steps, the extension's second turn ends while the others still decode (so its release
+    # happens with a step in flight too); held for longer it would run alone, after them.
+    model, engs = engines(tiny_llama, prefill_wait_steps=16)
     prompts = random_prompts([6, 8, 5])
     results, kept_in_flight = [], []
     for engine in engs:
