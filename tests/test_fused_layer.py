@@ -17,7 +17,6 @@ pytest.importorskip("triton")
 from unison.engine import Engine, EngineConfig, SamplingParams, fused_layer, fused_linear, triton_backend  # noqa: E402
 from unison.engine.fused_layer import attention_form, fused_layers, llama_layer, qkv_rope_write  # noqa: E402
 from unison.engine.fused_norm import add_rms_norm, llama_norm  # noqa: E402
-from unison.engine.graphs import fused_kernels  # noqa: E402
 
 
 def _modeling(family: str):
@@ -120,14 +119,14 @@ def test_engine_decodes_through_the_fused_layers(family, on_cpu, monkeypatch):
     """Chunked prefill (4 tokens a step), decode through the runner (eager here), prefix sharing in a group: every
     attention through the fused write (the decode-only steps' in the attention's launch), every layer through the
     fused adds, logprobs teacher-forced ones; the windowed layers keep their window. The modules' own forwards again
-    after the engine's forwards."""
+    after the engine's forwards, all the steps' swaps planned once."""
     calls = count_calls(monkeypatch, fused_layer, ["qkv_rope_write", "add_rms_norm"])
     fused = count_calls(monkeypatch, triton_backend, ["rope_paged_decode"])
     model = _tiny(family)
     layers = model.config.num_hidden_layers
     engine = Engine(model, EngineConfig(num_blocks=64, block_size=4, seed=0, attention="triton", max_num_seqs=8,
                                         max_batch_tokens=12))
-    engine._fused = lambda: fused_kernels(engine.decoder)  # the prefill steps too, as on the GPU
+    engine._fused = engine.runner.swaps  # the prefill steps too, as on the GPU
     engine.backend.rope_decode = True  # (its decode steps split each context in two)
     prompts = random_prompts([9, 13])
     done = engine.generate(prompts + [prompts[0]] * 2, SamplingParams(max_new_tokens=6, stop_token_ids=()))
@@ -138,6 +137,7 @@ def test_engine_decodes_through_the_fused_layers(family, on_cpu, monkeypatch):
     assert calls["qkv_rope_write"] + fused["rope_paged_decode"] == steps * layers
     assert calls["add_rms_norm"] == 2 * steps * layers  # after attention, after the MLP (the last into the final norm)
     assert max_logprob_diff(model, done) < 1e-4
+    assert engine.runner.swaps.plans == 1  # every step's swaps as planned on the first (unison.engine.swaps)
     for module in (model.model.layers[0], model.model.layers[0].self_attn, model.model.norm):
         assert "forward" not in module.__dict__
 

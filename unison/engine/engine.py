@@ -81,12 +81,12 @@ class Engine:
         self.runner = None
         self._fused = nullcontext  # the forwards outside the graphs: the graphs' fused kernels too, on the GPU
         if config.cuda_graphs and self.backend.static_decode:
-            from .graphs import DecodeRunner, fused_kernels
-            if self.device.type == "cuda":  # (in Triton's interpreter they cost more than PyTorch's ops)
-                self._fused = lambda: fused_kernels(self.decoder)
+            from .graphs import DecodeRunner
             self.runner = DecodeRunner(self.decoder, self.lm_head, self.pool, self.backend,
                                        config.max_num_seqs, self.max_model_len, scratch_block=config.num_blocks,
                                        local_forward=self.local_forward, states=self.states)
+            if self.device.type == "cuda":  # (in Triton's interpreter they cost more than PyTorch's ops)
+                self._fused = self.runner.swaps
         # Prefill held for the graph steps' sake: without graphs every step is eager and holding only adds steps.
         self.scheduler = parts.scheduler_for(config, self.allocator, self.states is not None, self.runner is not None)
         self.version = 0

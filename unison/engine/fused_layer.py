@@ -227,6 +227,7 @@ def _layer_forward(layer: torch.nn.Module, chain: _Chain, next_norm: torch.nn.Mo
         total, normed = add_norm(out, residual, next_norm.weight, next_norm.variance_epsilon)
         chain.put(total, next_norm, normed)
         return total
+    forward.chain = chain  # (emptied where the swaps end: unison.engine.swaps)
     return forward
 
 

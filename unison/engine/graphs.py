@@ -41,6 +41,7 @@ from .fused_linear import fused_projections
 from .fused_norm import fused_norms
 from .fused_rope import fused_rope
 from .lm_head import LMHead
+from .swaps import KernelSwaps
 from .triton_backend import TritonPagedBackend
 
 
@@ -49,7 +50,7 @@ def fused_kernels(decoder: torch.nn.Module):
     """The engine's forwards run inside this: every RMSNorm one kernel, RoPE of q and k one, (on the GPU, up to
     ``fused_linear``'s row limits) the q/k/v and gate/up projections one each, and (on the GPU) each residual add
     in its norm's kernel, q/k norms, RoPE and the K/V write in one (``fused_layer``)."""
-    modules = list(decoder.modules())  # one walk for the four (an eager step enters this block each time)
+    modules = list(decoder.modules())  # one walk for the four (the engine plans them once: unison.engine.swaps)
     with (fused_norms(decoder, modules=modules), fused_rope(decoder, modules=modules),
           fused_projections(decoder, modules), fused_layers(decoder)):
         yield
@@ -96,6 +97,7 @@ class DecodeRunner:
         self.block_size = bs = backend.block_size
         self.max_context = max_context
         self.scratch_block = scratch_block
+        self.swaps = KernelSwaps(decoder, fused_kernels)  # fused_kernels, planned once (the engine's eager steps too)
         self.local_forward = local_forward  # tensor parallelism: the local shards (unison.dist.tensor_parallel)
         self.heartbeat = getattr(local_forward, "heartbeat", None)  # ... and a collective NCCL's watchdog sees
         self.states = states  # a hybrid model's per-request layer states: each row's slot is a fifth meta row
@@ -178,7 +180,7 @@ class DecodeRunner:
         ids, positions = self.meta[0:1, :b], self.meta[1:2, :b]
 
         def forward() -> torch.Tensor:
-            with torch.inference_mode(), fused_kernels(self.decoder), self.local_forward():
+            with torch.inference_mode(), self.swaps(), self.local_forward():
                 if states is not None:
                     torch.eq(positions[0], 0, out=states.fresh)
                 hidden = self.decoder(input_ids=ids, position_ids=positions, attention_mask=NO_MASK, paged=batch,
