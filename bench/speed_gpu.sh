@@ -26,10 +26,11 @@
 #   bash bench/speed_gpu.sh rope      # the one-launch attention (unison/engine/rope_decode.py): its GPU tests, then
 #                                     # decode_step_kernels.py and rollout_steps.py (0.6B) with UNISON_ROPE_DECODE=0
 #                                     # and =1, then sampler_parts.py (~6 min, not yet run)
-#   bash bench/speed_gpu.sh multiturn # bench/multiturn.py at 0.6B, staggered turns, engine.prefill_wait_steps 0, 16
-#                                     # and 64 (the tool replies' prefills held for the decode graphs; not yet run),
-#                                     # then bench/loop_overlap.py (the episode loop on the overlapped engine) with
-#                                     # the replies in the background and with --blocking
+#   bash bench/speed_gpu.sh multiturn # bench/multiturn.py at 0.6B, staggered turns, engine.prefill_wait_steps 16,
+#                                     # 64 (the default) and 128 (speed/multiturn ran 0, 16, 64), then
+#                                     # bench/loop_overlap.py (the episode loop on the overlapped engine) with the
+#                                     # replies in the background and with --blocking, then bench/swap_cost.py (the
+#                                     # eager step's kernel swaps on this host)
 # Results under $OUT/speed/<TAG> (TAG defaults to "run"). BASE=build/base runs that tree's unison instead (an A/B:
 # `rm -rf build/base && mkdir -p build/base && git archive <commit> unison | tar -x -C build/base`, carry build).
 set -uo pipefail
@@ -163,13 +164,14 @@ PY
         --json "$out/sampler_parts.json" | tail -24 ;;
     multiturn)
       timeout 300 python3 bench/multiturn.py --device cuda --shape qwen3-0.6b --n 64 --prompt 256 --turns 4 --new 64 \
-        --appended 32 --stagger --waits 0,16,64 --json "$out/multiturn_staggered.json" > "$out/multiturn.out" 2>&1
+        --appended 32 --stagger --waits ${WAITS:-16,64,128} --json "$out/multiturn_staggered.json" > "$out/multiturn.out" 2>&1
       echo "multiturn rc=$?"; python3 -c "import json, sys; [print(r['mode'], r['prefill_wait_steps'], round(r['wall_s'], 3),
         r['steps'], r['eager_steps']) for r in json.load(open(sys.argv[1]))['results']]" "$out/multiturn_staggered.json"
       for flags in "" --blocking; do  # the episode loop itself: steps launched ahead, wall time
         timeout 200 python3 bench/loop_overlap.py --shape qwen3-0.6b --episodes 64 --turns 4 --new 128 --batches 3 \
           $flags --json "$out/loop_overlap${flags:+_blocking}.json" 2>&1 | quiet 8
-      done ;;
+      done
+      (cd bench && python3 swap_cost.py --json "$out/swap_cost.json" | tail -4) ;;
     tests)
       timeout "${LIMIT:-300}" python3 -m pytest -q -x -s -p no:cacheprovider ${TESTS:-tests/test_fused_train_gpu.py \
         tests/test_triton_gpu.py tests/test_engine_gpu.py tests/test_fused_layer_gpu.py} 2>&1 | tee "$out/tests.log" \

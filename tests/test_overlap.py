@@ -136,13 +136,14 @@ def test_releasing_nothing_leaves_the_step_in_flight():
     assert engine.release([rid]) == 1 and engine.stats()["num_parked"] == 0
 
 
-def test_a_continuation_after_its_guessed_row_came_back_leaves_the_step_in_flight():
-    """A continuable request stops on a token while two others decode on; it is extended (then released) only after
+def test_a_continuation_leaves_the_step_in_flight():
+    """A continuable request stops on a token while two others decode on; it is extended (then released) after
     the step holding its guessed row has come back, as the multi-turn loop does when a reply comes a step or more
     later: the overlapped engine does both with its other step still in flight, and every completion is the
-    synchronous engine's. Extended at once by one token while four others decode, its guess is in flight and the
-    engine drains first, as it must: without that drain the held reply's decode launched ahead feeds it the guessed
-    token (its logprobs then differ from the synchronous engine's by 0.13, checked)."""
+    synchronous engine's. Extended at once by one token while four others decode, its guess is still in flight: the
+    engine leaves that step in flight too, and no launch ahead continues the guess (without that check the held
+    reply's decode launched ahead is fed the guessed token, and its logprobs differ from the synchronous engine's by
+    0.13)."""
     # Held for at most 16 steps, the extension's second turn ends while the others still decode (so its release
     # happens with a step in flight too); held for longer it would run alone, after them.
     model, engs = engines(tiny_llama, prefill_wait_steps=16)
@@ -177,7 +178,7 @@ def test_a_continuation_after_its_guessed_row_came_back_leaves_the_step_in_fligh
     assert max_logprob_diff(model, results[1]) < 1e-4
     assert kept_in_flight[0] == [False, False]  # synchronous: nothing ever in flight
     assert kept_in_flight[1] == [True, True], kept_in_flight[1]
-    turns, drained = [], []
+    turns, in_flight = [], []
     for engine in engs:  # extended at once, while its guess is in flight
         (rid2,) = engine.submit(prompts[0], SamplingParams(max_new_tokens=30, seed=3, stop_token_ids=STOPS),
                                 continuable=True)
@@ -188,11 +189,11 @@ def test_a_continuation_after_its_guessed_row_came_back_leaves_the_step_in_fligh
         guessed = any(req.request_id == rid2 for s in (engine._overlap.steps if engine._overlap else ())
                       for req, _ in s.rows)
         engine.extend(rid2, [44])
-        drained.append((guessed, bool(engine._overlap and engine._overlap.steps)))
+        in_flight.append((guessed, bool(engine._overlap and engine._overlap.steps)))
         done = []
         while engine.num_unfinished:
             done += engine.step()
         turns.append(sorted(done, key=lambda c: c.request_id))
-    assert drained == [(False, False), (True, False)]
+    assert in_flight == [(False, False), (True, True)]  # (its guess in flight, a step in flight after extend)
     for x, y in zip(*turns, strict=True):
         same(x, y)

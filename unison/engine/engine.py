@@ -281,8 +281,10 @@ class Engine:
             return False
         bs, keep, rows = self.config.block_size, [], []
         for i, (req, position) in enumerate(last.rows):
-            # Its in-flight token is at position + 1; at the length limit that token is its last.
-            if self._requests.get(req.request_id) is req and position + 2 < req.max_len:
+            # Its in-flight token is at position + 1; at the length limit that token is its last. A request that
+            # finished meanwhile, or was continued with other tokens (extend), has no next token there.
+            if (self._requests.get(req.request_id) is req and req.num_tokens == position + 1
+                    and position + 2 < req.max_len):
                 keep.append(i)
                 rows.append((req, position + 1))
         starting = [req for req, position in rows if position // bs >= len(req.blocks)]
@@ -328,13 +330,15 @@ class Engine:
             self._done.extend(self._collect())
 
     def _drain_rows_of(self, request_ids: list[str]) -> None:
-        """Drain before extending or releasing these requests only where one is not parked yet, or has a row in
-        flight (a guess launched before its last token was read: the next launch ahead would feed it that token).
-        Otherwise the overlap goes on: a multi-turn loop continues most episodes steps after their turns ended."""
+        """Drain before extending or releasing these requests only where one is not parked yet (its completion may
+        be in flight). Otherwise the overlap goes on, a parked request's row in flight too: that row is a guess
+        launched before its last token was read, which no launch ahead continues and ``_collect`` drops (the
+        request's tokens no longer end at its position), and whose K/V write at the request's last position comes
+        before, in stream order, any step that writes there again (the continuation's prefill, another request's
+        on a freed block)."""
         if self._overlap is None or not self._overlap.steps:
             return
-        parked = [self.scheduler.parked.get(request_id) for request_id in request_ids]
-        if None in parked or {id(r) for r in parked} & {id(req) for s in self._overlap.steps for req, _ in s.rows}:
+        if any(self.scheduler.parked.get(request_id) is None for request_id in request_ids):
             self._drain()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[Completion]:

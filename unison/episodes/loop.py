@@ -116,11 +116,11 @@ class MultiTurnRolloutLoop(RolloutLoop):
         self.episodes: dict[str, Episode] = {}  # request id -> its episode
         self.awaiting: dict[str, _Awaiting] = {}  # request id -> its turn's tools running in the background
         self.tool_wait_s = 0.0  # the loop's wait for tools with nothing to decode, since the last batch
-        # An engine that overlaps its decode steps still has a guessed row of a request whose turn just ended in
-        # flight (Engine.extend and release wait for it); one engine step later it has come back. So replies and
-        # frees wait out that step while the engine has other work, and the overlap goes on.
+        # A reply that is in joins its episode once an engine step has passed since its turn ended (unless nothing
+        # else is left to decode): a call that returns at once has returned by then (its thread had a whole step),
+        # so with such tools the episodes do not hang on the threads' timing. (The engine continues and frees a
+        # request whose guessed row is still in flight without waiting for it, so this costs no overlap.)
         self.steps = 0  # engine steps landed
-        self.to_release: list[str] = []  # ended episodes' requests, freed after the next engine step
         self.episode_window: dict[str, list[float]] = {"turns": [], "tool_calls": [], "tool_s": [],
                                                        "model_tokens": [], "context_tokens": []}
 
@@ -214,9 +214,6 @@ class MultiTurnRolloutLoop(RolloutLoop):
 
     def _land(self, completions: list[Completion]) -> None:
         self.steps += 1
-        if self.to_release:
-            self.engine.release(self.to_release)
-            self.to_release = []
         ended: list[tuple[str, Episode, bool]] = []  # request id, episode, dropped
         calling: list[tuple[Completion, Episode, ParsedTurn]] = []  # turns whose tool calls run now
         answering: list[tuple[Completion, Episode]] = []  # plain turns the environment responds to
@@ -294,7 +291,7 @@ class MultiTurnRolloutLoop(RolloutLoop):
         if not ended:
             return
         if self.continues:
-            self.to_release += [rid for rid, _, _ in ended]
+            self.engine.release([rid for rid, _, _ in ended])
         self._score([(rid, ep) for rid, ep, dropped in ended if not dropped])
         for rid, ep, dropped in ended:
             group = self.in_engine.pop(rid)
