@@ -2,11 +2,11 @@
 
 Every eager engine step (a prefill, a tool reply's tokens, a step of mixed rows) runs its forward inside
 ``graphs.fused_kernels``, which walks the decoder, checks each module against the fused kernels' conditions, builds
-~200 replacement forwards and swaps them in, then swaps the modules' own forwards back: 4.0 ms of host time a step on
-a CI core at the Qwen3-0.6B shape (28 layers), for a step whose host time is most of its ~35 ms on an H200
+~340 replacement forwards (at the Qwen3-0.6B shape, 28 layers) and swaps them in, then swaps the modules' own
+forwards back: 6.0 ms of host time a step on a CI core, for a step whose host time is most of its ~35 ms on an H200
 (bench/results/h200/speed/multiturn). The same modules get the same replacements each time, so ``KernelSwaps``
 records what ``fused_kernels`` put where once, and afterwards only writes those forwards in and takes them out
-again: a dict write each.
+again, a dict write each, after checking that the plan still holds: 0.48 ms (``bench/swap_cost.py``).
 
 The plan is kept while the decoder still is what it was planned on: the same module objects, each with the forward
 of its own it had then (none, or one someone else swapped in), the same ``apply_rotary_pos_emb`` in the modeling
