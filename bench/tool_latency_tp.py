@@ -9,7 +9,8 @@ measured is the loop's coordination of the ranks (which replies join, at which s
 `unison train --dist.tp` adds on top. Turns end on stop words (``bench/loop_overlap.py``'s workload: a word-level
 tokenizer, one word in ``--stop-words`` ends a turn), so replies are due on different steps. Reported per run: wall
 seconds over ``--batches`` batches after a warm-up batch, engine steps, the loop's wait for replies with nothing to
-decode (``rollout/tool_wait_s``), and rank 0's collectives of the loop (``on_main`` calls) and their seconds.
+decode (``rollout/tool_wait_s``), and rank 0's collectives of the loop (``on_main`` calls), the broadcasts in them
+and their seconds.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from engine import build  # noqa: E402  (bench/engine.py)
 from loop_overlap import episode_loop, workload_args  # noqa: E402
 
@@ -45,16 +47,23 @@ def slow_answers(reply: str, latency: float):
 
 
 class Counted:
-    """``on_main`` as the episode loop calls it, counted and timed."""
+    """``on_main`` as the episode loop calls it, counted and timed, and the broadcasts inside it counted."""
 
     def __init__(self):
-        self.calls, self.seconds = 0, 0.0
+        self.calls, self.seconds, self.broadcasts = 0, 0.0, 0
 
-    def __call__(self, tp, fn):
+    def __call__(self, tp, fn, **kwargs):
         t0 = time.perf_counter()
+        originals = dist.broadcast, c10d.broadcast  # (broadcast_object_list calls c10d's own name)
+
+        def counted(*args, **kw):
+            self.broadcasts += 1
+            return originals[0](*args, **kw)
+        dist.broadcast = c10d.broadcast = counted
         try:
-            return tensor_parallel.on_main(tp, fn)
+            return tensor_parallel.on_main(tp, fn, **kwargs)
         finally:
+            dist.broadcast, c10d.broadcast = originals
             self.calls += tp is not None
             self.seconds += time.perf_counter() - t0
 
@@ -73,7 +82,8 @@ def run(a, latency: float, background: bool, tp: Ranks | None) -> dict:
     episodes_loop.on_main = tensor_parallel.on_main
     return {"mode": ("tp=2 " if tp is not None else "alone ") + ("background" if background else "waiting"),
             "latency_s": latency, "wall_s": round(wall, 3), "engine_steps": engine.stats()["steps"] - steps0,
-            "tool_wait_s": round(waited, 3), "collectives": counted.calls, "collective_s": round(counted.seconds, 3)}
+            "tool_wait_s": round(waited, 3), "collectives": counted.calls, "broadcasts": counted.broadcasts,
+            "collective_s": round(counted.seconds, 3)}
 
 
 def rank_main(a) -> None:

@@ -21,9 +21,11 @@ def test_rank_zero_runs_the_environment_and_every_rank_gets_its_replies(tmp_path
         for text in b["texts"]:
             assert "on rank 0" in text and "on rank 1" not in text
         assert sorted({s[2] for s in a["samples"]}) == [1.0, 2.0, 3.0, 4.0]  # rewards read rank 0's environments
-    assert zero["errors"] == ["ZeroDivisionError: division by zero"]
+    assert zero["errors"] == ["ZeroDivisionError: division by zero"] * 2
     assert one["errors"] == ["RuntimeError: tensor-parallel rank 0 failed where this rank waited for its result: "
-                             "ZeroDivisionError: division by zero"]
+                             "ZeroDivisionError: division by zero"] * 2
+    # on_main(..., empty={}): rank 0's result on both ranks; the empty one in one broadcast (its size), others in two
+    assert zero["sent"] == one["sent"] == [({}, 1), ({"r0": "reply"}, 2), ({}, 1)]
 
 
 def test_unison_train_with_tensor_parallelism_runs_episodes_on_rank_zero(tmp_path):

@@ -115,11 +115,25 @@ def main():
             "texts": [tok.decode(list(s.completion_ids)) for s in batch], "calls": dict(CALLS),
             "turns_mean": metrics["episode/turns_mean"], "engine_steps": metrics["rollout/engine_steps"]}
     errors = []
-    try:
-        on_main(tp, lambda: 1 / 0)
-    except Exception as e:
-        errors.append(f"{type(e).__name__}: {e}")
-    torch.save({**result, "errors": errors}, os.path.join(sys.argv[1], f"rank{RANK}.pt"))
+    for empty in (None, {}):  # (None: a plain result's path)
+        try:
+            on_main(tp, lambda: 1 / 0, **({} if empty is None else {"empty": empty}))
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    # An expected empty result goes as its size alone: (value on this rank, broadcasts it took)
+    broadcasts, broadcast = [0], dist.broadcast
+
+    def counted(*args, **kwargs):
+        broadcasts[0] += 1
+        return broadcast(*args, **kwargs)
+    dist.broadcast = counted
+    sent = []
+    for value in ({}, {"r0": "reply"}, {}):
+        before = broadcasts[0]
+        sent.append((on_main(tp, lambda value=value: value if RANK == 0 else "not rank 0's", empty={}),
+                     broadcasts[0] - before))
+    dist.broadcast = broadcast
+    torch.save({**result, "errors": errors, "sent": sent}, os.path.join(sys.argv[1], f"rank{RANK}.pt"))
     dist.destroy_process_group()
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import hashlib
+import pickle
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -313,11 +314,16 @@ def host_ranks(topology: Topology) -> Ranks | None:
     return Ranks(topology.tp.rank, topology.tp.world, torch.device("cpu"), group)
 
 
-def on_main(tp: Ranks | None, fn: Callable[[], object]):
+_ANY = object()
+
+
+def on_main(tp: Ranks | None, fn: Callable[[], object], empty: object = _ANY):
     """``fn()`` run on rank 0 of the group alone, its result sent to every rank (a collective: all ranks call it, in
     the same order). What a user's code returns there (tool replies, an environment's observations) is then the same
     on every rank, and runs once. Where ``fn`` raises, rank 0 raises it and the others a ``RuntimeError`` naming it,
-    rather than waiting for a result that never comes. Without a group (None), just ``fn()``."""
+    rather than waiting for a result that never comes. Without a group (None), just ``fn()``. ``empty``: a result
+    that rank 0 sends as a size of 0 alone (one collective, where a result takes two): the episode loop's "no reply
+    is in", most steps' answer."""
     if tp is None:
         return fn()
     box: list = [None]
@@ -327,13 +333,36 @@ def on_main(tp: Ranks | None, fn: Callable[[], object]):
             box[0] = (True, fn())
         except Exception as e:
             error, box[0] = e, (False, f"{type(e).__name__}: {e}")
-    dist.broadcast_object_list(box, src=dist.get_global_rank(tp.group, 0), group=tp.group)
+    if empty is _ANY:
+        dist.broadcast_object_list(box, src=dist.get_global_rank(tp.group, 0), group=tp.group)
+    elif not _broadcast_unless(box, box[0] == (True, empty) if tp.is_main else False, tp):
+        box[0] = (True, empty)
     ok, value = box[0]
     if error is not None:
         raise error
     if not ok:
         raise RuntimeError(f"tensor-parallel rank 0 failed where this rank waited for its result: {value}")
     return value
+
+
+def _broadcast_unless(box: list, skip: bool, tp: Ranks) -> bool:
+    """``box[0]`` from the group's rank 0 to every rank, pickled, as its size and then its bytes; where rank 0 says
+    ``skip``, the size 0 alone and nothing is sent (returns False on every rank)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(tp.group) == "nccl" else \
+        torch.device("cpu")
+    src = dist.get_global_rank(tp.group, 0)
+    data = pickle.dumps(box[0]) if tp.is_main and not skip else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=tp.group)
+    n = int(size.item())
+    if n == 0:
+        return False
+    payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if tp.is_main
+               else torch.empty(n, dtype=torch.uint8, device=device))
+    dist.broadcast(payload, src=src, group=tp.group)
+    if not tp.is_main:
+        box[0] = pickle.loads(payload.cpu().numpy().tobytes())
+    return True
 
 
 def full_state_dict(model: torch.nn.Module, keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:

@@ -267,7 +267,8 @@ class MultiTurnRolloutLoop(RolloutLoop):
         if not self.awaiting:
             return
         t0 = time.perf_counter()
-        replies = on_main(self.tp, lambda: self._replies(block))  # under tensor parallelism rank 0's, for every rank
+        # Under tensor parallelism rank 0's, for every rank (one collective where none is in, most steps)
+        replies = on_main(self.tp, lambda: self._replies(block), empty={})
         if block:
             self.tool_wait_s += time.perf_counter() - t0
         ended: list[tuple[str, Episode, bool]] = []
