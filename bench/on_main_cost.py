@@ -1,6 +1,6 @@
 """What ``unison.dist.tensor_parallel.on_main`` costs a step where rank 0's result is empty (the episode loop's "no
-reply is in"): as any result (``broadcast_object_list``: its size, then its bytes) against ``empty=`` (the size
-alone), two gloo ranks calling it back to back, so that neither waits for the other to arrive (as ranks kept in step
+reply is in"): as any result (its size, then its bytes) against ``empty=`` (the size alone), two gloo ranks calling
+it back to back, so that neither waits for the other to arrive (as ranks kept in step
 by a sharded forward's all-reduces; ``bench/tool_latency_tp.py``'s ranks are not, and its collective times are
 mostly that wait).
 

@@ -326,18 +326,14 @@ def on_main(tp: Ranks | None, fn: Callable[[], object], empty: object = _ANY):
     is in", most steps' answer."""
     if tp is None:
         return fn()
-    box: list = [None]
-    error = None
+    result, error = None, None
     if tp.is_main:
         try:
-            box[0] = (True, fn())
+            result = (True, fn())
         except Exception as e:
-            error, box[0] = e, (False, f"{type(e).__name__}: {e}")
-    if empty is _ANY:
-        dist.broadcast_object_list(box, src=dist.get_global_rank(tp.group, 0), group=tp.group)
-    elif not _broadcast_unless(box, box[0] == (True, empty) if tp.is_main else False, tp):
-        box[0] = (True, empty)
-    ok, value = box[0]
+            error, result = e, (False, f"{type(e).__name__}: {e}")
+    skip = tp.is_main and empty is not _ANY and result == (True, empty)
+    ok, value = _from_main(result, skip, tp) or (True, empty)
     if error is not None:
         raise error
     if not ok:
@@ -345,24 +341,22 @@ def on_main(tp: Ranks | None, fn: Callable[[], object], empty: object = _ANY):
     return value
 
 
-def _broadcast_unless(box: list, skip: bool, tp: Ranks) -> bool:
-    """``box[0]`` from the group's rank 0 to every rank, pickled, as its size and then its bytes; where rank 0 says
-    ``skip``, the size 0 alone and nothing is sent (returns False on every rank)."""
+def _from_main(obj: object, skip: bool, tp: Ranks) -> object | None:
+    """Rank 0's ``obj`` on every rank, pickled, as its size and then its bytes (``broadcast_object_list``'s two
+    collectives, on the device NCCL needs); where rank 0 says ``skip``, the size 0 alone, and None on every rank."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(tp.group) == "nccl" else \
         torch.device("cpu")
     src = dist.get_global_rank(tp.group, 0)
-    data = pickle.dumps(box[0]) if tp.is_main and not skip else b""
+    data = pickle.dumps(obj) if tp.is_main and not skip else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     dist.broadcast(size, src=src, group=tp.group)
     n = int(size.item())
     if n == 0:
-        return False
+        return None
     payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if tp.is_main
                else torch.empty(n, dtype=torch.uint8, device=device))
     dist.broadcast(payload, src=src, group=tp.group)
-    if not tp.is_main:
-        box[0] = pickle.loads(payload.cpu().numpy().tobytes())
-    return True
+    return obj if tp.is_main else pickle.loads(payload.cpu().numpy().tobytes())
 
 
 def full_state_dict(model: torch.nn.Module, keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
