@@ -23,9 +23,9 @@
 #                                     # width and chunk), then train_profile at 0.6B over row lengths (ROWS)
 #   bash bench/speed_gpu.sh attention # Nsight Compute's sections for the decode attention kernel at a GRPO rollout's
 #                                     # shape (64 sequences x 352 keys, 0.6B heads, the engine's default tiles)
-#   bash bench/speed_gpu.sh rope      # the one-launch attention (unison/engine/rope_decode.py): its GPU tests, then
-#                                     # decode_step_kernels.py and rollout_steps.py (0.6B) with UNISON_ROPE_DECODE=0
-#                                     # and =1, then sampler_parts.py (~6 min, not yet run)
+#   bash bench/speed_gpu.sh rope      # the one-launch attention (unison/engine/rope_decode.py): its GPU tests and
+#                                     # bench/rope_parity_{kernel,engine}.py, then decode_step_kernels.py and
+#                                     # rollout_steps.py (0.6B) with UNISON_ROPE_DECODE=0 and =1, then sampler_parts.py
 #   bash bench/speed_gpu.sh multiturn # bench/multiturn.py at 0.6B, staggered turns, engine.prefill_wait_steps 16,
 #                                     # 64 (the default) and 128 (speed/multiturn ran 0, 16, 64), then
 #                                     # bench/loop_overlap.py (the episode loop on the overlapped engine) with the
@@ -146,6 +146,8 @@ PY
           "tests/test_fused_layer_gpu.py::test_engine_with_the_one_launch_attention_equals_the_two_launches" \
           "tests/test_triton_gpu.py::test_decode_kernel_on_gpu" > "$out/gpu_tests.log" 2>&1
         echo "tests rc=$?"; tail -3 "$out/gpu_tests.log"
+        timeout 100 python3 bench/rope_parity_kernel.py 2>&1 | tail -2 | tee "$out/rope_parity_kernel.out"
+        timeout 150 python3 bench/rope_parity_engine.py 2>&1 | grep "requests differ" | tee "$out/rope_parity_engine.out"
       fi
       for on in 0 1; do
         [[ "${ROPE_PARTS:-kernels}" == *kernels* ]] || continue

@@ -182,14 +182,22 @@ def qkv_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     norm = q_norm is not None
     qw = q_norm.weight if norm else q
     kw = k_norm.weight if norm else q
-    per = min(triton.next_power_of_2(heads + kv_heads), heads_per_program)
+    per, warps = rope_tile(heads, kv_heads, dim, heads_per_program)
     _qkv_rope_write_kernel[(n, triton.cdiv(heads + kv_heads, per))](
         q, k, v, qw, kw, cos, sin, q_out, k_pool, v_pool, slots, heads, kv_heads, q.stride(0), k.stride(0),
         v.stride(0), cos.stride(0), q_out.stride(0), k_pool.stride(0), v_pool.stride(0),
         q_norm.variance_epsilon if norm else 0.0, k_norm.variance_epsilon if norm else 0.0, HALF=dim // 2,
-        BLOCK=triton.next_power_of_2(dim), HEADS=per, NORM=norm, num_warps=1 if per * dim <= 512 else 4,
+        BLOCK=triton.next_power_of_2(dim), HEADS=per, NORM=norm, num_warps=warps,
         enable_fp_fusion=False, **gdc.launch(q))
     return q_out
+
+
+def rope_tile(heads: int, kv_heads: int, dim: int, heads_per_program: int = 8) -> tuple[int, int]:
+    """``qkv_rope_write``'s program: how many heads (rows) it normalises and rotates, and its warps. A q/k norm's
+    sum of squares is reduced in an order that the tile's shape and warps decide (Triton's layout for them), so
+    another kernel that must round as this one does (``unison.engine.rope_decode``) takes the same tile."""
+    per = min(triton.next_power_of_2(heads + kv_heads), heads_per_program)
+    return per, 1 if per * dim <= 512 else 4
 
 
 class _Chain:

@@ -11,11 +11,15 @@ value at the token's pool slot, waits for its threads (``bar.sync``: a program r
 it), then runs the decode kernel's program as is. No two programs write the same place and no program reads what
 another writes, so one launch does it all (and the splits' combine, where there are several).
 
-Each value rounds where the two kernels round (``normed_rope`` is their shared code), and both kernels are compiled
-without multiply-add contraction, so the output equals the two launches' bit for bit (tests/test_rope_decode.py).
-Decode-only steps take it (the captured decode graphs'); steps with prefill chunks keep the two launches. Off until
-it is measured on a GPU (``TritonPagedBackend.rope_decode``; bench/results/h200/speed/attention/README.md says what
-was predicted and what is still to run).
+Each value rounds where the two kernels round (``normed_rope`` is their shared code), both kernels are compiled
+without multiply-add contraction, and the q/k norms' rows take ``qkv_rope_write``'s tile (its rows and warps: the
+order a head's sum of squares is reduced in), so the output equals the two launches' bit for bit
+(tests/test_rope_decode.py; where the tile cannot be that one, ``equals_two_launches`` says no and the backend keeps
+the two launches). Decode-only steps take it (the captured decode graphs'); steps with prefill chunks keep the two
+launches. Off by default (``TritonPagedBackend.rope_decode``, ``UNISON_ROPE_DECODE=1``): on an H200 with a 4-row
+tile it took ~28 ms off a 0.6B rollout; with the 8-row tile on an H100, GRPO steps of 1.35-1.37 s against
+1.34-1.39 s, within that machine's noise (bench/results/h100/speed/rope2/README.md). To measure on the H200 before
+it is the default.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import gdc
-from .fused_layer import normed_rope, store_rotated
+from .fused_layer import normed_rope, rope_tile, store_rotated
 from .triton_attention import LOG2E, combine_splits, decode_program, pipeline_stages, split_buffers, split_range
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -64,6 +68,16 @@ def _rope_decode_kernel(QR, KR, VR, QW, KW, Cos, Sin, Slots, QO, K, V, BT, CTX, 
                    PRECISION)
 
 
+def equals_two_launches(heads: int, kv_heads: int, dim: int, num_warps: int = 4) -> bool:
+    """Whether the one launch rounds as ``qkv_rope_write`` does at these heads: its program's q/k-norm rows (the GQA
+    group and its key head, padded) fit ``qkv_rope_write``'s tile (``rope_tile``) and it runs that tile's warps, so
+    each head's sum of squares is reduced in the same order. (A tile of 4 rows against 8 reduced in another order:
+    1 key element in ~10^6 a step rounded otherwise, and the engine's logprobs parted, bench/results/h100/speed/
+    rope2/README.md.) The interpreter reduces in one order whatever the warps."""
+    rows, warps = rope_tile(heads, kv_heads, dim)
+    return heads // kv_heads + 1 <= rows and (warps == num_warps or _INTERPRET)
+
+
 def rope_paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, block_size: int, scale: float, window: int | None = None,
@@ -80,6 +94,7 @@ def rope_paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, pools {tuple(k_pool.shape)} and "
                          f"{tuple(v_pool.shape)}: not one decode step's heads")
     group = heads // kv_heads
+    rows = max(rope_tile(heads, kv_heads, dim)[0], triton.next_power_of_2(group + 1))  # as qkv_rope_write's, if it fits
     norm = q_norm is not None
     q_out = torch.empty(batch, splits, heads, dim, dtype=q.dtype, device=q.device)  # a copy a split
     out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
@@ -93,7 +108,7 @@ def rope_paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
         k.stride(0), v.stride(0), cos.stride(0), q_out.stride(0), k_pool.stride(0), v_pool.stride(0),
         block_tables.stride(0), out.stride(0), out.stride(1), q_norm.variance_epsilon if norm else 0.0,
         k_norm.variance_epsilon if norm else 0.0, HEADS=heads, HALF=dim // 2, BLOCK=block,
-        ROWS=triton.next_power_of_2(group + 1), NORM=norm, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        ROWS=rows, NORM=norm, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         PAGE=block_size, BLOCK_N=block_n, SPLITS=splits, WINDOWED=window is not None, UPCAST=_INTERPRET,
         PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=num_warps, num_stages=num_stages,
         enable_fp_fusion=False, **launch)

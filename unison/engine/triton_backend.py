@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .attention_ops import torch_varlen_attn, varlen_attention, varlen_supported
 from .backend import StepLayout, context_slots, prefill_reference
-from .rope_decode import rope_paged_decode
+from .rope_decode import equals_two_launches, rope_paged_decode
 from .triton_attention import num_splits, paged_decode
 from .triton_mla import is_latent, mla_decode
 
@@ -80,8 +80,8 @@ class TritonPagedBackend:
     def __init__(self, block_size: int, kv_heads: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
                  block_n: int = 64, num_warps: int = 4, num_stages: int | None = None, rope_decode: bool | None = None):
         self.block_size = block_size
-        # decode_rope's one launch: off until measured on a GPU (bench/results/h200/speed/attention/README.md);
-        # UNISON_ROPE_DECODE=1 turns it on for the benchmarks' A/B
+        # decode_rope's one launch: off until its gain is measured on the H200 (bench/results/h100/speed/rope2/
+        # README.md); UNISON_ROPE_DECODE=1 turns it on for the benchmarks' A/B
         self.rope_decode = os.environ.get("UNISON_ROPE_DECODE") == "1" if rope_decode is None else rope_decode
         self.dtype = dtype
         self.kv_heads = kv_heads
@@ -179,7 +179,8 @@ class TritonPagedBackend:
         every token is a decode query; else None."""
         decode_only = state.block_tables is not None and state.decode_rows is None and state.chunk_rows is None
         if (not self.rope_decode or not decode_only or state.prefills or is_latent(k_pool, v_pool)
-                or not q.dtype == k.dtype == v.dtype == k_pool.dtype == v_pool.dtype == cos.dtype):
+                or not q.dtype == k.dtype == v.dtype == k_pool.dtype == v_pool.dtype == cos.dtype
+                or not equals_two_launches(q.shape[1], k.shape[1], q.shape[2], self.kernel_args["num_warps"])):
             return None
         return rope_paged_decode(q, k, v, cos, sin, k_pool, v_pool, slots, state.block_tables, state.context_lens,
                                  self.block_size, scale, window, q_norm, k_norm, state.splits, **self.kernel_args)

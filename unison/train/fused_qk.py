@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..engine.fused_layer import attention_form, normed_rope
+from ..engine.fused_layer import attention_form, normed_rope, rope_tile
 from ..engine.fused_linear import joined, swap_forward
 from ..engine.fused_norm import fusable
 from .fused import _multiprocessors, _sum_parts, joinable, shared_input
@@ -148,13 +148,13 @@ def _norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, 
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     v_out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if v is not None else None
-    per = min(triton.next_power_of_2(heads + kv_heads), 8)
+    per, warps = rope_tile(heads, kv_heads, dim)  # the engine's tile: its sums of squares in the same order
     _forward_kernel[(tokens, triton.cdiv(heads + kv_heads, per))](
         q, k, q_weight, k_weight, cos, sin, q_out, k_out, v if v is not None else q, v_out if v is not None else q,
         tokens, heads, kv_heads, q.stride(0), k.stride(0), v.stride(0) if v is not None else 0, cos.stride(0), eps_q,
         eps_k, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim), HEADS=per, COPY_V=v is not None,
-        V_BLOCK=triton.next_power_of_2(kv_heads * dim) if v is not None else 1, NORM=norm,
-        num_warps=4 if per * dim > 512 else 1, enable_fp_fusion=False)
+        V_BLOCK=triton.next_power_of_2(kv_heads * dim) if v is not None else 1, NORM=norm, num_warps=warps,
+        enable_fp_fusion=False)
     return (q_out, k_out) if v is None else (q_out, k_out, v_out)
 
 
