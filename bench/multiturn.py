@@ -13,7 +13,10 @@ Random weights of a named shape, no download. Not a test: numbers.
 
 ``--stagger``: each conversation's turns take their own lengths (uniform in [K/4, 7K/4], the same draws for every
 mode), so tool replies land on different steps, as with real episodes; ``--waits 0,16`` then runs ``extend`` once
-per ``EngineConfig.prefill_wait_steps`` (set on the one engine's scheduler between runs), the eager steps counted.
+per ``EngineConfig.prefill_wait_steps`` (set on the one engine's scheduler between runs), the eager steps counted,
+each after an untimed run of its own (a hold makes other decode batch sizes, whose CUDA graphs are captured then;
+each run reports the graphs it captured: on an H100, a first run at 16 after runs at 64 took 3.39 s against 1.36-1.51 s
+at 64, bench/results/h100/speed/rope2/).
 
     python bench/multiturn.py --device cuda --shape qwen3-0.6b --n 64 --prompt 256 --turns 4 --new 64 \
       --appended 32 --stagger --waits 0,16,64 --json multiturn_staggered.json
@@ -83,7 +86,8 @@ def run(engine: Engine, mode: str, n: int, prompt: int, turns: int, new: int, ap
             "tokens_computed": s["tokens_computed"] - before["tokens_computed"],
             "steps": s["steps"] - before["steps"], "eager_steps": (s["steps"] - s["graph_steps"])
             - (before["steps"] - before["graph_steps"]),
-            "prefix_cache_hit_rate": (s["prefix_hits"] - before["prefix_hits"]) / max(queries, 1)}
+            "prefix_cache_hit_rate": (s["prefix_hits"] - before["prefix_hits"]) / max(queries, 1),
+            "graphs_captured": s["graphs_captured"] - before["graphs_captured"]}
 
 
 def main() -> None:
@@ -98,6 +102,8 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--stagger", action="store_true", help="each conversation's turns of their own lengths")
     ap.add_argument("--waits", default="", help="extend once per EngineConfig.prefill_wait_steps, e.g. 0,16")
+    ap.add_argument("--no-warm-waits", dest="warm_waits", action="store_false",
+                    help="time each --waits run without running it once first (its graph captures then counted in)")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
@@ -110,6 +116,8 @@ def main() -> None:
     results = [run(engine, m, a.n, a.prompt, a.turns, a.new, a.appended, a.stagger) for m in modes]
     for wait in (int(w) for w in a.waits.split(",") if w):
         engine.scheduler.prefill_wait = wait
+        if a.warm_waits:  # the batch sizes this hold makes, captured before it is timed
+            run(engine, "extend", a.n, a.prompt, a.turns, a.new, a.appended, a.stagger)
         results.append(run(engine, "extend", a.n, a.prompt, a.turns, a.new, a.appended, a.stagger))
     out = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "workload": workload,
            "results": results}

@@ -72,7 +72,11 @@ def test_one_launch_equals_the_two(heads, kv_heads, dim, norm, window, dtype, sp
     assert torch.equal(got, want)
 
 
-def test_the_backend_takes_it_for_decode_only_steps():
+def test_the_backend_takes_it_for_decode_only_steps(monkeypatch):
+    monkeypatch.delenv("UNISON_ROPE_DECODE", raising=False)
+    assert TritonPagedBackend(4, 2, torch.device("cpu")).rope_decode  # on by default
+    monkeypatch.setenv("UNISON_ROPE_DECODE", "0")
+    assert not TritonPagedBackend(4, 2, torch.device("cpu")).rope_decode  # the benchmarks' A/B
     q, k, v, cos, sin, k_pool, v_pool, slots, tables, lens = _case(4, 2, 32, 4, [5, 9], torch.float32)
     backend = TritonPagedBackend(4, 2, torch.device("cpu"), torch.float32, block_n=16, rope_decode=True)
     args = (k_pool, v_pool, slots, q, k, v, cos, sin, None, None, 32**-0.5, None)

@@ -16,10 +16,10 @@ without multiply-add contraction, and the q/k norms' rows take ``qkv_rope_write`
 order a head's sum of squares is reduced in), so the output equals the two launches' bit for bit
 (tests/test_rope_decode.py; where the tile cannot be that one, ``equals_two_launches`` says no and the backend keeps
 the two launches). Decode-only steps take it (the captured decode graphs'); steps with prefill chunks keep the two
-launches. Off by default (``TritonPagedBackend.rope_decode``, ``UNISON_ROPE_DECODE=1``): on an H200 with a 4-row
-tile it took ~28 ms off a 0.6B rollout; with the 8-row tile on an H100, GRPO steps of 1.35-1.37 s against
-1.34-1.39 s, within that machine's noise (bench/results/h100/speed/rope2/README.md). To measure on the H200 before
-it is the default.
+launches. On by default (``TritonPagedBackend.rope_decode``; ``UNISON_ROPE_DECODE=0`` for an A/B): on an H200 with
+a 4-row tile it took ~28 ms off a 0.6B rollout; with the 8-row tile on two H100s, 0.6B GRPO steps of 1.312-1.315 s
+against 1.323-1.325 s on one, 1.357 against 1.366 s (mean of three, noisier) on the other
+(bench/results/h100/speed/rope2/README.md).
 """
 
 from __future__ import annotations

@@ -80,9 +80,9 @@ class TritonPagedBackend:
     def __init__(self, block_size: int, kv_heads: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
                  block_n: int = 64, num_warps: int = 4, num_stages: int | None = None, rope_decode: bool | None = None):
         self.block_size = block_size
-        # decode_rope's one launch: off until its gain is measured on the H200 (bench/results/h100/speed/rope2/
-        # README.md); UNISON_ROPE_DECODE=1 turns it on for the benchmarks' A/B
-        self.rope_decode = os.environ.get("UNISON_ROPE_DECODE") == "1" if rope_decode is None else rope_decode
+        # decode_rope's one launch: bit for bit the two launches, ~10 ms less a 0.6B GRPO step on an H100
+        # (bench/results/h100/speed/rope2/README.md); UNISON_ROPE_DECODE=0 turns it off for the benchmarks' A/B
+        self.rope_decode = os.environ.get("UNISON_ROPE_DECODE", "1") != "0" if rope_decode is None else rope_decode
         self.dtype = dtype
         self.kv_heads = kv_heads
         self.device = torch.device(device)
