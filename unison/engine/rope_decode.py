@@ -72,8 +72,8 @@ def equals_two_launches(heads: int, kv_heads: int, dim: int, num_warps: int = 4)
     """Whether the one launch rounds as ``qkv_rope_write`` does at these heads: its program's q/k-norm rows (the GQA
     group and its key head, padded) fit ``qkv_rope_write``'s tile (``rope_tile``) and it runs that tile's warps, so
     each head's sum of squares is reduced in the same order. (A tile of 4 rows against 8 reduced in another order:
-    1 key element in ~10^6 a step rounded otherwise, and the engine's logprobs parted, bench/results/h100/speed/
-    rope2/README.md.) The interpreter reduces in one order whatever the warps."""
+    ~1 key element in 10^6 rounded otherwise, and the engine's logprobs parted, bench/results/h100/speed/rope2/
+    README.md.) The interpreter reduces in one order whatever the warps."""
     rows, warps = rope_tile(heads, kv_heads, dim)
     return heads // kv_heads + 1 <= rows and (warps == num_warps or _INTERPRET)
 
