@@ -119,7 +119,8 @@ def run_unison(model, prompts, new: int, args, attention: str = "auto") -> tuple
               "steps": steps, "decode_graph_steps": graph_steps, "ms_per_step": 1e3 * elapsed / steps,
               "host_ms_per_step": 1e3 * (after["host_s"] - before["host_s"]) / steps,
               "peak_gib": peak_gib(args.device), "attention": type(engine.backend).__name__,
-              "graphs_captured": after["graphs_captured"]}
+              "graphs_captured": after["graphs_captured"],  # the warm-up's too
+              "graphs_captured_in_run": after["graphs_captured"] - before["graphs_captured"]}
     result["ms_per_decode_step"] = decode_step_ms(engine, prompts, args) if args.device == "cuda" else None
     return result, done
 

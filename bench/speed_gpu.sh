@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 23 on the GPU machine (carry .whl: transformers 5.24; ../shared/tools/gpu-wheels.sh; the TRL runs also take
-# trl==1.16.0 accelerate==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0, which the image lacks):
+# trl==1.16.0 accelerate==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0, which the image lacks;
+# the tests' SmolVLM processor num2words==0.5.14, the vision extra's):
 #   bash bench/speed_gpu.sh profile   # engine_profile (0.6B at 256 and 64) and train_profile (0.6B, 1.7B)
 #   bash bench/speed_gpu.sh engine    # bench/engine.py: 0.6B at 256 and 64 (unison alone), for each flag set of
 #                                     # VARIANTS (default "-": as is), e.g. VARIANTS="- --no-fused-layers"
