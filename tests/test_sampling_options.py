@@ -13,7 +13,7 @@ from tiny_gguf import bpe_tokenizer
 from unison.config import ConfigError, load_config
 from unison.engine import Engine, EngineConfig, SamplingParams
 from unison.engine.sampler import apply_repetition_penalty, sample
-from unison.engine.stop import StopStrings, completion_text
+from unison.engine.stop import StopStrings, completion_text, decoder
 from unison.serve_request import RequestError, parse_completion_request
 from unison.train.config import TrainConfig
 
@@ -117,6 +117,31 @@ def test_stop_string_found_at_the_token_that_completes_it(make):
         hits = [t for t in range(1, len(ids) + 1) if finder.find(ids[:t], (stop,)) is not None]
         assert hits[:1] == full[:1], stop
     assert any(len(tok.decode(ids[:t - 1])) < len(tok.decode(ids[:t])) - 1 for t in range(2, len(ids)))
+
+
+@pytest.mark.parametrize("make", [bpe_tokenizer, tiny_tokenizer])
+def test_decoder_decodes_as_the_tokenizer(make, monkeypatch):
+    """``decoder`` gives ``tokenizer.decode(ids, skip_special_tokens=True)``'s text for random ids, special ones and
+    split UTF-8 sequences among them, calling the Rust tokenizer directly; a decode wrapped on the instance, one
+    overridden in a subclass, or spaces to clean up take the tokenizer's own decode."""
+    tok = make()
+    g = torch.Generator().manual_seed(0)
+    samples = [torch.randint(0, len(tok), (n,), generator=g).tolist() for n in (0, 1, 7, 64, 300)]
+    samples.append([*tok.all_special_ids, 5, *tok.all_special_ids, 9])
+    fast = decoder(tok)
+    assert [fast(ids) for ids in samples] == [tok.decode(ids, skip_special_tokens=True) for ids in samples]
+    assert fast.__code__ is not decoder(None).__code__  # the Rust tokenizer's, not the fallback's
+    for change in ("instance", "subclass", "cleanup"):
+        t = make()
+        if change == "instance":
+            t.decode = lambda ids, t=t, **k: "wrapped"
+        elif change == "subclass":
+            t.__class__ = type("Sub", (type(t),), {"decode": lambda self, ids, **k: "wrapped"})
+        else:
+            t.clean_up_tokenization_spaces = True
+            t.clean_up_tokenization = lambda text: "wrapped"
+            t.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+        assert decoder(t)(samples[3]) == "wrapped", change
 
 
 def test_engine_stops_at_a_stop_string_spanning_two_tokens():

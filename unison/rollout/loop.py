@@ -255,6 +255,8 @@ class RolloutLoop:
     def _land(self, completions: list[Completion]) -> None:
         """Score what one engine step finished (in one call: one collective under tensor parallelism), then file
         each completion with its group."""
+        if not completions:  # most engine steps finish none
+            return
         finished = [c for c in completions if c.finish_reason != "abort" and c.token_ids]
         rows = [self.in_engine[c.request_id].row for c in finished]
         keys = dict.fromkeys(k for row in rows for k in row if k != "prompt")
