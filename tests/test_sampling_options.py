@@ -134,7 +134,7 @@ def test_decoder_decodes_as_the_tokenizer(make, monkeypatch):
     for change in ("instance", "subclass", "cleanup"):
         t = make()
         if change == "instance":
-            t.decode = lambda ids, t=t, **k: "wrapped"
+            t.decode = lambda ids, **k: "wrapped"
         elif change == "subclass":
             t.__class__ = type("Sub", (type(t),), {"decode": lambda self, ids, **k: "wrapped"})
         else:

@@ -27,6 +27,7 @@ from ..dist.tensor_parallel import on_main
 from ..dist.topology import Ranks
 from ..engine import Completion
 from ..engine.seeding import group_seed
+from ..engine.stop import decoder
 from ..rollout.advantage import group_advantages
 from ..rollout.loop import RolloutLoop
 from .environment import Failed, environment_tools, reset_environment, respond_all, responds
@@ -305,7 +306,7 @@ class MultiTurnRolloutLoop(RolloutLoop):
 
     def _tool_calls(self, c: Completion, ep: Episode) -> ParsedTurn | None:
         """The turn's tool calls; None where it made none (or was cut, or the episode has no tools)."""
-        ep.last_text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        ep.last_text = decoder(self.tokenizer)(c.token_ids)
         ep.last_ids = list(c.token_ids)
         if c.finish_reason != "stop" or not ep.tools.tools:
             return None
