@@ -85,7 +85,8 @@ def run(engine: Engine, mode: str, n: int, prompt: int, turns: int, new: int, ap
             "generated_tokens": generated, "tokens_per_s": generated / wall,
             "tokens_computed": s["tokens_computed"] - before["tokens_computed"],
             "steps": s["steps"] - before["steps"], "eager_steps": (s["steps"] - s["graph_steps"])
-            - (before["steps"] - before["graph_steps"]),
+            - (before["steps"] - before["graph_steps"]) - s["row_graph_steps"] + before["row_graph_steps"],
+            "row_graph_steps": s["row_graph_steps"] - before["row_graph_steps"],  # prompt chunks as graph rows
             "prefix_cache_hit_rate": (s["prefix_hits"] - before["prefix_hits"]) / max(queries, 1),
             "graphs_captured": s["graphs_captured"] - before["graphs_captured"]}
 

@@ -27,6 +27,10 @@
 #   bash bench/speed_gpu.sh rope      # the one-launch attention (unison/engine/rope_decode.py): its GPU tests and
 #                                     # bench/rope_parity_{kernel,engine}.py, then decode_step_kernels.py and
 #                                     # rollout_steps.py (0.6B) with UNISON_ROPE_DECODE=0 and =1, then sampler_parts.py
+#   bash bench/speed_gpu.sh rows      # prompt chunks as graph rows (unison/engine/row_graphs.py): its GPU tests and
+#                                     # the engine's with it on, then UNISON_ROW_GRAPHS=0 and =1 alternating:
+#                                     # bench/prefill_profile.py at 8 x 64 (a GRPO rollout's prompts), rollout_steps.py
+#                                     # (0.6B: its first step) and multiturn.py (staggered, the default hold)
 #   bash bench/speed_gpu.sh multiturn # bench/multiturn.py at 0.6B, staggered turns, engine.prefill_wait_steps 16,
 #                                     # 64 (the default) and 128 (speed/multiturn ran 0, 16, 64), then
 #                                     # bench/loop_overlap.py (the episode loop on the overlapped engine) with the
@@ -175,6 +179,31 @@ PY
           $flags --json "$out/loop_overlap${flags:+_blocking}.json" 2>&1 | quiet 8
       done
       (cd bench && python3 swap_cost.py --json "$out/swap_cost.json" | tail -4) ;;
+    rows)  # ROWS_PARTS: which of "tests prefill rollout multiturn" (default all)
+      if [[ "${ROWS_PARTS:-tests}" == *tests* ]]; then
+        UNISON_ROW_GRAPHS=1 timeout 240 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_row_graphs_gpu.py \
+          tests/test_engine_gpu.py tests/test_fused_layer_gpu.py > "$out/rows_gpu_tests.log" 2>&1
+        echo "tests rc=$?"; grep "mean |engine" "$out/rows_gpu_tests.log"; tail -2 "$out/rows_gpu_tests.log"
+      fi
+      for on in 0 1 0 1; do
+        [[ "${ROWS_PARTS:-prefill}" == *prefill* ]] && (cd bench && UNISON_ROW_GRAPHS=$on timeout 60 python3 \
+          prefill_profile.py --shape qwen3-0.6b --concurrency 8 --prompt 64 --rounds 4 --timing-only \
+          --json "$out/prefill_8x64_rows$on.json" 2>&1 | grep "^round [123]" | sed "s/^/[rows=$on] /")
+      done
+      for on in 0 1; do
+        [[ "${ROWS_PARTS:-rollout}" == *rollout* ]] || continue
+        UNISON_ROW_GRAPHS=$on timeout 150 python3 bench/rollout_steps.py --shape qwen3-0.6b --steps 3 \
+          --json "$out/rollout_rows$on.json" > "$out/rollout_rows$on.out" 2>&1
+        echo "UNISON_ROW_GRAPHS=$on"; grep -A6 "^rollout  total" "$out/rollout_rows$on.out" | grep -v "host ms"
+      done
+      for on in 0 1; do
+        [[ "${ROWS_PARTS:-multiturn}" == *multiturn* ]] || continue
+        UNISON_ROW_GRAPHS=$on timeout 150 python3 bench/multiturn.py --device cuda --shape qwen3-0.6b --n 64 --prompt 256 \
+          --turns 4 --new 64 --appended 32 --stagger --waits 64 --json "$out/multiturn_rows$on.json" \
+          > "$out/multiturn_rows$on.out" 2>&1
+        python3 -c "import json, sys; [print('rows=$on', r['mode'], r['prefill_wait_steps'], round(r['wall_s'], 3),
+          r['steps'], r['eager_steps'], r['row_graph_steps']) for r in json.load(open(sys.argv[1]))['results']]" "$out/multiturn_rows$on.json"
+      done ;;
     tests)
       timeout "${LIMIT:-300}" python3 -m pytest -q -x -s -p no:cacheprovider ${TESTS:-tests/test_fused_train_gpu.py \
         tests/test_triton_gpu.py tests/test_engine_gpu.py tests/test_fused_layer_gpu.py} 2>&1 | tee "$out/tests.log" \

@@ -23,7 +23,7 @@ from ..dist.topology import Topology
 from ..vision import model as vlm
 from ..vision.inputs import Segment, language_inputs
 from ..vision.prompt import ImagePrompt
-from . import mla, parts, state
+from . import mla, moe, parts, row_graphs, state
 from .attention import NO_MASK
 from .backend import AttentionBackend, PagedBatch, StepLayout, TorchPagedBackend, slots_of
 from .cache import BlockAllocator, KVPool, kv_widths
@@ -87,6 +87,10 @@ class Engine:
                                        local_forward=self.local_forward, states=self.states)
             if self.device.type == "cuda":  # (in Triton's interpreter they cost more than PyTorch's ops)
                 self._fused = self.runner.swaps
+        self.rows = None  # steps with prompt chunks as graph rows (unison.engine.row_graphs; off unless enabled)
+        if (self.runner is not None and row_graphs.enabled() and self.vision is None and self.states is None
+                and not self.pool.has_latent and not any(map(moe.is_experts_module, model.modules()))):
+            self.rows = row_graphs.RowRunner(self.runner, config.max_num_seqs)
         # Prefill held for the graph steps' sake: without graphs every step is eager and holding only adds steps.
         self.scheduler = parts.scheduler_for(config, self.allocator, self.states is not None, self.runner is not None)
         self.version = 0
@@ -112,8 +116,8 @@ class Engine:
         self._arrivals = 0
         self._phases: dict[str, float] | None = None
         self._phase_t = 0.0
-        self._counters = {"steps": 0, "graph_steps": 0, "ahead_steps": 0, "tokens_computed": 0, "tokens_generated": 0,
-                          "step_s": 0.0, "wait_s": 0.0, "kv_lent_bytes": 0,
+        self._counters = {"steps": 0, "graph_steps": 0, "ahead_steps": 0, "row_graph_steps": 0, "tokens_computed": 0,
+                          "tokens_generated": 0, "step_s": 0.0, "wait_s": 0.0, "kv_lent_bytes": 0,
                           "kv_dropped_tokens": 0}
 
     def _default_backend(self, kernels: str, kv_heads: int) -> AttentionBackend:
@@ -232,7 +236,9 @@ class Engine:
         self._copy_states()
         self._phase("schedule")
         graph = self._graph_step(chunks)
-        logits = self._forward(chunks, graph)
+        rows = not graph and self.rows is not None and self.rows.takes(chunks)
+        logits = self.rows(chunks) if rows else self._forward(chunks, graph)
+        self._counters["row_graph_steps"] += rows
         self._phase("forward")
         self.scheduler.after_forward(chunks)
         self._copy_states()
@@ -385,6 +391,8 @@ class Engine:
             kept = (self.states.restore() if self.states is not None else True) and kept
             if not kept and self.runner is not None:
                 self.runner.reset()
+                if self.rows is not None:
+                    self.rows.reset()
 
     def stats(self) -> dict:
         s = self.scheduler

@@ -72,6 +72,7 @@ class TritonState:
     max_k: int = 0
     prefills: list | None = None  # reference fallback: (token start, token end, context slots)
     spans: list | None = None  # the chunks as (token start, token end, host context slots), for per-layer fallback
+    rows_share_context: bool = False  # decode rows that attend to each other's new keys (unison.engine.row_graphs)
 
 
 class TritonPagedBackend:
@@ -176,9 +177,10 @@ class TritonPagedBackend:
     def decode_rope(self, state: TritonState, k_pool, v_pool, slots, q, k, v, cos, sin, q_norm, k_norm, scale,
                     window) -> torch.Tensor | None:
         """``PagedBatch.attend_rope`` in one launch (``rope_paged_decode``) where it is on (``rope_decode``) and
-        every token is a decode query; else None."""
+        every token is a decode query of its own request; else None."""
         decode_only = state.block_tables is not None and state.decode_rows is None and state.chunk_rows is None
-        if (not self.rope_decode or not decode_only or state.prefills or is_latent(k_pool, v_pool)
+        if (not self.rope_decode or not decode_only or state.rows_share_context or state.prefills
+                or is_latent(k_pool, v_pool)
                 or not q.dtype == k.dtype == v.dtype == k_pool.dtype == v_pool.dtype == cos.dtype
                 or not equals_two_launches(q.shape[1], k.shape[1], q.shape[2], self.kernel_args["num_warps"])):
             return None

@@ -1,0 +1,148 @@
+"""Steps with prompt chunks as rows of a captured graph: every token a query row, attended by the decode kernel.
+
+A step that prefills anything runs eagerly: ~450 launches whose host dispatch is most of its time (a 0.6B step of
+4096 prompt tokens: 40-43 ms on an H100, 9.4 ms of it kernels; ~50 ms an eager step of a multi-turn rollout,
+`bench/results/h100/speed/goals3/`). Yet a chunk's token is a query like a decode token, only with its chunk's
+earlier tokens among its keys: row ``p`` of a chunk attends to its request's positions ``0..p``, which the paged
+decode kernel computes from the request's block table and a context length of ``p + 1``. So a step of short chunks
+(a GRPO rollout's prompts, a tool reply appended to a conversation, decode rows beside them) runs as the decode
+graphs run, one row per token, in graphs captured per row count (``ROW_LADDER``): the step's host work is filling
+the rows' metadata and one replay.
+
+Each row's keys are read from the pool by the decode kernel, so the attention reads ``sum over rows of (p + 1)``
+keys a layer where flash over the chunk reads each once: a step takes this path only while those bytes stay under
+``ROW_KV_BYTES`` a layer. The K/V of every row are written (``qkv_rope_write``) before any row attends (the decode
+kernel, the launch after it), never in one launch (``unison.engine.rope_decode``: a program would read keys that
+another program of the same launch writes).
+
+Off unless ``UNISON_ROW_GRAPHS=1`` (written without a GPU: on once measured against the eager step). Not for
+vision-language prompts, hybrid layer states, latent (MLA) caches or experts modules: those keep the eager step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from .attention import NO_MASK
+from .backend import PagedBatch, slots_of
+from .graphs import DecodeRunner, no_collection
+from .scheduler import ScheduledChunk
+
+ROW_LADDER = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+"""Row counts a graph is captured for; a step's rows are padded up to the next (each padding row one key of the
+scratch block)."""
+ROW_KV_BYTES = 512 * 2**20
+"""Key and value bytes a layer the rows may read (~0.15 ms a layer at an H200's ~3.3 TB/s); more, and the step runs
+eagerly with flash, which reads each key once. Not yet measured against the eager step."""
+
+
+def enabled() -> bool:
+    return os.environ.get("UNISON_ROW_GRAPHS", "0") == "1"
+
+
+class RowRunner:
+    """``rows(chunks)``: a step's chunks one row per token, through a graph captured for the padded row count
+    (``takes(chunks)`` first). Shares the decode runner's model, pool, kernel swaps and graph memory pool."""
+
+    def __init__(self, runner: DecodeRunner, max_sampled: int):
+        self.runner = runner
+        self.max_rows = n = ROW_LADDER[-1]
+        self.max_sampled = max_sampled
+        dev = runner.pool.storage.device
+        self.meta = torch.zeros(4, n, dtype=torch.int64, device=dev)  # token, position, slot, context length
+        self.tables = torch.full((n, runner.max_blocks), runner.scratch_block, dtype=torch.int64, device=dev)
+        self.sample = torch.zeros(max_sampled, dtype=torch.int64, device=dev)
+        self.logits: torch.Tensor | None = None  # (max_sampled, V) fp32, written by every graph
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, object]] = {}
+
+    def reset(self) -> None:
+        """Forget every captured graph (the pool moved)."""
+        self.graphs.clear()
+
+    def takes(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether a step of these chunks fits: its rows, its sampled rows, and the keys its rows read a layer (row
+        ``p`` reads ``p + 1``) within ``ROW_KV_BYTES``."""
+        rows = sum(c.length for c in chunks)
+        keys = sum(c.length * (2 * c.start + c.length + 1) // 2 for c in chunks)
+        layer = max(self.runner.pool.layers, key=lambda kv: kv.kv_heads * kv.width)
+        kv_bytes = keys * layer.kv_heads * layer.width * self.runner.pool.storage.element_size()
+        return (rows <= self.max_rows and sum(c.samples for c in chunks) <= self.max_sampled
+                and kv_bytes <= ROW_KV_BYTES)
+
+    def __call__(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """The step's forward, one row per token: (S_sampling, V) fp32 logits of the chunks that sample, in order
+        (``Engine._forward``'s contract), a view of a static buffer that the next call overwrites."""
+        r = self.runner
+        bs = r.block_size
+        tokens, positions, slots, tables, sample_rows = [], [], [], [], []
+        for chunk in chunks:
+            req, start, end = chunk.request, chunk.start, chunk.start + chunk.length
+            tokens += req.token_slice(start, end)
+            positions.append(np.arange(start, end))
+            slots.append(slots_of(req.blocks, start, end, bs))
+            tables += [req.blocks] * chunk.length
+            if chunk.samples:
+                sample_rows.append(len(tokens) - 1)
+        n, s = len(tokens), len(sample_rows)
+        b = next(size for size in ROW_LADDER if size >= n)
+        w = max(map(len, tables))
+        meta = np.empty((4, b), dtype=np.int64)  # token, position, slot, context length; padding rows at the end
+        meta[0, :n], meta[1, :n], meta[2, :n] = tokens, np.concatenate(positions), np.concatenate(slots)
+        meta[3, :n] = meta[1, :n] + 1
+        meta[:, n:] = ((0,), (0,), (r.scratch_block * bs,), (1,))
+        table = np.full((b, w), r.scratch_block, dtype=np.int64)
+        for i, blocks in enumerate(tables):
+            table[i, :len(blocks)] = blocks
+        sample = np.zeros(self.max_sampled, dtype=np.int64)
+        sample[:s] = sample_rows
+        host = torch.from_numpy(np.concatenate([meta.ravel(), table.ravel(), sample]))
+        device = host.to(self.meta.device, non_blocking=True)
+        self.meta[:, :b].copy_(device[:4 * b].view(4, b))
+        self.tables[:b, :w].copy_(device[4 * b:4 * b + b * w].view(b, w))
+        self.sample.copy_(device[4 * b + b * w:])
+        if b not in self.graphs:
+            self.graphs[b], first = self._capture(b)
+            if first is not None:  # this step ran as the capture's warm-up
+                return first[:s]
+        graph, forward = self.graphs[b]
+        if graph is None:
+            return forward()[:s]  # eager (the CPU)
+        graph.replay()
+        return self.logits[:s]
+
+    def _capture(self, b: int):
+        r = self.runner
+        # One split: a row's context is at most its chunk's end, and rows are many.
+        state = r.backend.decode_state(self.tables[:b], self.meta[3, :b], 1)
+        state.rows_share_context = True  # K/V written before any row attends: never the one launch
+        batch = PagedBatch(r.pool, r.backend, self.meta[2, :b], state)
+        ids, positions = self.meta[0:1, :b], self.meta[1:2, :b]
+
+        def forward() -> torch.Tensor:
+            with torch.inference_mode(), r.swaps(), r.local_forward():
+                hidden = r.decoder(input_ids=ids, position_ids=positions, attention_mask=NO_MASK, paged=batch,
+                                   use_cache=False).last_hidden_state[0]
+                logits = r.lm_head(hidden.index_select(0, self.sample))
+                if self.logits is None:
+                    self.logits = torch.empty_like(logits)
+                self.logits.copy_(logits)
+                return self.logits
+
+        if not r.use_graphs:
+            return (None, forward), None
+        if self.logits is None:  # outside the graph's pool: every graph writes the same buffer
+            self.logits = torch.empty(self.max_sampled, r.lm_head.weight.shape[0], dtype=torch.float32,
+                                      device=self.meta.device)
+        side = torch.cuda.Stream()  # warm-up on a side stream: this step itself (its logits are the step's)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            first = forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with no_collection(), torch.cuda.graph(graph, pool=r.mempool):
+            forward()
+        r.num_captured += 1
+        return (graph, None), first
