@@ -55,7 +55,10 @@ class RowRunner:
         self.meta = torch.zeros(4, n, dtype=torch.int64, device=dev)  # token, position, slot, context length
         self.tables = torch.full((n, runner.max_blocks), runner.scratch_block, dtype=torch.int64, device=dev)
         self.sample = torch.zeros(max_sampled, dtype=torch.int64, device=dev)
-        self.logits: torch.Tensor | None = None  # (max_sampled, V) fp32, written by every graph
+        # Written by every graph (outside their memory pool): the sampled rows' logits.
+        self.logits = torch.empty(max_sampled, runner.lm_head.weight.shape[0], dtype=torch.float32, device=dev)
+        widest = max(runner.pool.layers, key=lambda kv: kv.kv_heads * kv.width)
+        self.key_bytes = widest.kv_heads * widest.width * runner.pool.storage.element_size()  # a key a layer, at most
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, object]] = {}
 
     def reset(self) -> None:
@@ -67,10 +70,8 @@ class RowRunner:
         ``p`` reads ``p + 1``) within ``ROW_KV_BYTES``."""
         rows = sum(c.length for c in chunks)
         keys = sum(c.length * (2 * c.start + c.length + 1) // 2 for c in chunks)
-        layer = max(self.runner.pool.layers, key=lambda kv: kv.kv_heads * kv.width)
-        kv_bytes = keys * layer.kv_heads * layer.width * self.runner.pool.storage.element_size()
         return (rows <= self.max_rows and sum(c.samples for c in chunks) <= self.max_sampled
-                and kv_bytes <= ROW_KV_BYTES)
+                and keys * self.key_bytes <= ROW_KV_BYTES)
 
     def __call__(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """The step's forward, one row per token: (S_sampling, V) fp32 logits of the chunks that sample, in order
@@ -125,17 +126,10 @@ class RowRunner:
             with torch.inference_mode(), r.swaps(), r.local_forward():
                 hidden = r.decoder(input_ids=ids, position_ids=positions, attention_mask=NO_MASK, paged=batch,
                                    use_cache=False).last_hidden_state[0]
-                logits = r.lm_head(hidden.index_select(0, self.sample))
-                if self.logits is None:
-                    self.logits = torch.empty_like(logits)
-                self.logits.copy_(logits)
-                return self.logits
+                return self.logits.copy_(r.lm_head(hidden.index_select(0, self.sample)))
 
         if not r.use_graphs:
             return (None, forward), None
-        if self.logits is None:  # outside the graph's pool: every graph writes the same buffer
-            self.logits = torch.empty(self.max_sampled, r.lm_head.weight.shape[0], dtype=torch.float32,
-                                      device=self.meta.device)
         side = torch.cuda.Stream()  # warm-up on a side stream: this step itself (its logits are the step's)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
