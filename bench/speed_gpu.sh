@@ -27,8 +27,8 @@
 #   bash bench/speed_gpu.sh rope      # the one-launch attention (unison/engine/rope_decode.py): its GPU tests and
 #                                     # bench/rope_parity_{kernel,engine}.py, then decode_step_kernels.py and
 #                                     # rollout_steps.py (0.6B) with UNISON_ROPE_DECODE=0 and =1, then sampler_parts.py
-#   bash bench/speed_gpu.sh rows      # prompt chunks as graph rows (unison/engine/row_graphs.py): its GPU tests and
-#                                     # the engine's with it on, then UNISON_ROW_GRAPHS=0 and =1 alternating:
+#   bash bench/speed_gpu.sh rows      # prompt chunks as graph rows (unison/engine/row_graphs.py, on by default):
+#                                     # its GPU tests and the engine's, then UNISON_ROW_GRAPHS=0 and =1 alternating:
 #                                     # bench/prefill_profile.py at 8 x 64 (a GRPO rollout's prompts), rollout_steps.py
 #                                     # (0.6B: its first step) and multiturn.py (staggered, the default hold)
 #   bash bench/speed_gpu.sh multiturn # bench/multiturn.py at 0.6B, staggered turns, engine.prefill_wait_steps 16,
@@ -179,7 +179,7 @@ PY
           $flags --json "$out/loop_overlap${flags:+_blocking}.json" 2>&1 | quiet 8
       done
       (cd bench && python3 swap_cost.py --json "$out/swap_cost.json" | tail -4) ;;
-    rows)  # ROWS_PARTS: which of "tests prefill rollout multiturn" (default all)
+    rows)  # ROWS_PARTS: which of "tests prefill rollout multiturn" (default all); WAITS: multiturn.py's holds (64)
       if [[ "${ROWS_PARTS:-tests}" == *tests* ]]; then
         UNISON_ROW_GRAPHS=1 timeout 240 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_row_graphs_gpu.py \
           tests/test_engine_gpu.py tests/test_fused_layer_gpu.py > "$out/rows_gpu_tests.log" 2>&1
@@ -199,7 +199,7 @@ PY
       for on in 0 1; do
         [[ "${ROWS_PARTS:-multiturn}" == *multiturn* ]] || continue
         UNISON_ROW_GRAPHS=$on timeout 150 python3 bench/multiturn.py --device cuda --shape qwen3-0.6b --n 64 --prompt 256 \
-          --turns 4 --new 64 --appended 32 --stagger --waits 64 --json "$out/multiturn_rows$on.json" \
+          --turns 4 --new 64 --appended 32 --stagger --waits ${WAITS:-64} --json "$out/multiturn_rows$on.json" \
           > "$out/multiturn_rows$on.out" 2>&1
         python3 -c "import json, sys; [print('rows=$on', r['mode'], r['prefill_wait_steps'], round(r['wall_s'], 3),
           r['steps'], r['eager_steps'], r['row_graph_steps']) for r in json.load(open(sys.argv[1]))['results']]" "$out/multiturn_rows$on.json"

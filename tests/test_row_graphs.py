@@ -74,9 +74,16 @@ def test_prompt_chunks_as_graph_rows_equal_the_eager_prefill(make, fused, monkey
 
 def test_steps_past_the_rows_budget_run_eagerly(monkeypatch):
     """A step whose rows would read more key bytes a layer than ``ROW_KV_BYTES``, or that has more rows than the
-    largest graph, is prefilled eagerly (flash, or the reference on the CPU); the row graphs are off by default."""
+    largest graph (the ladder's, or fewer for a model whose rows times parameters pass ``ROW_TOKEN_PARAMS``), is
+    prefilled eagerly (flash, or the reference on the CPU); the row graphs are on by default only where the engine
+    captures graphs."""
     model = tiny_qwen3()
     assert _engine(model, False, monkeypatch).rows is None
+    monkeypatch.delenv("UNISON_ROW_GRAPHS")
+    assert Engine(model, EngineConfig(num_blocks=96, block_size=4, attention="triton")).rows is None  # the CPU
+    params = sum(p.numel() for p in model.model.parameters()) - model.model.embed_tokens.weight.numel()
+    monkeypatch.setattr(row_graphs, "ROW_TOKEN_PARAMS", 20 * params)
+    assert _engine(model, True, monkeypatch).rows.max_rows == 16
     monkeypatch.setattr(row_graphs, "ROW_KV_BYTES", 1)
     engine = _engine(model, True, monkeypatch)
     done = engine.generate(random_prompts([7, 12], seed=5), PARAMS)

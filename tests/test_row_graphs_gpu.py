@@ -51,3 +51,15 @@ def test_row_graphs_at_the_bf16_floor(monkeypatch):
     assert stats[True]["row_graph_steps"] >= 3 and stats[False]["row_graph_steps"] == 0
     assert stats[True]["graphs_captured"] > stats[False]["graphs_captured"]
     assert gaps[True] < 1.25 * gaps[False] + 1e-4
+
+
+def test_row_graphs_on_by_default_on_the_gpu(monkeypatch):
+    """Unset, ``UNISON_ROW_GRAPHS`` leaves the rows on where the engine captures graphs; ``0`` turns them off."""
+    model = Qwen3ForCausalLM._from_config(Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512,
+                                                      num_hidden_layers=2, num_attention_heads=4,
+                                                      num_key_value_heads=2, head_dim=64),
+                                          attn_implementation="unison", dtype=torch.bfloat16).cuda().eval()
+    monkeypatch.delenv("UNISON_ROW_GRAPHS", raising=False)
+    assert Engine(model, EngineConfig(num_blocks=64, block_size=16)).rows is not None
+    monkeypatch.setenv("UNISON_ROW_GRAPHS", "0")
+    assert Engine(model, EngineConfig(num_blocks=64, block_size=16)).rows is None

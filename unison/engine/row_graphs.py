@@ -15,7 +15,8 @@ keys a layer where flash over the chunk reads each once: a step takes this path 
 kernel, the launch after it), never in one launch (``unison.engine.rope_decode``: a program would read keys that
 another program of the same launch writes).
 
-Off unless ``UNISON_ROW_GRAPHS=1`` (written without a GPU: on once measured against the eager step). Not for
+On wherever the engine captures graphs (``UNISON_ROW_GRAPHS=0`` turns it off; ``bench/row_steps.py`` measures it
+against the eager step, ``bench/results/h100/speed/rows/``). Not for
 vision-language prompts, hybrid layer states, latent (MLA) caches or experts modules: those keep the eager step.
 """
 
@@ -31,16 +32,25 @@ from .backend import PagedBatch, slots_of
 from .graphs import DecodeRunner, no_collection
 from .scheduler import ScheduledChunk
 
-ROW_LADDER = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+ROW_LADDER = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 """Row counts a graph is captured for; a step's rows are padded up to the next (each padding row one key of the
 scratch block)."""
-ROW_KV_BYTES = 512 * 2**20
-"""Key and value bytes a layer the rows may read (~0.15 ms a layer at an H200's ~3.3 TB/s); more, and the step runs
-eagerly with flash, which reads each key once. Not yet measured against the eager step."""
+ROW_KV_BYTES = 6 * 2**30
+"""Key and value bytes a layer the rows may read; more, and the step runs eagerly with flash, which reads each key
+once. On an H100 (bench/results/h100/speed/rows/row_steps_*.json, 0.6B and 1.7B) every measured step within this
+and ``ROW_TOKEN_PARAMS`` ran 1.15-14x faster as rows than eagerly; past 8-11 GiB the eager step won (its host
+dispatch and the rows' key reads both grow with the layers, so the budget is a layer's)."""
+ROW_TOKEN_PARAMS = 1024 * 1.75e9
+"""Rows times the decoder's parameters (its shard's, under tensor parallelism) a step may take: 2048 rows at 0.6B,
+1024 at 1.7B (where 2048 rows lost to the eager step), 192 at 8B, whose GEMMs rather than the eager step's host
+dispatch would set the step's time, the rows' key reads on top: unmeasured there, so fewer rows."""
 
 
-def enabled() -> bool:
-    return os.environ.get("UNISON_ROW_GRAPHS", "0") == "1"
+def enabled(use_graphs: bool) -> bool:
+    """On where the engine captures graphs, unless ``UNISON_ROW_GRAPHS=0``; ``=1`` takes it eagerly too (the CPU's
+    tests, in Triton's interpreter)."""
+    env = os.environ.get("UNISON_ROW_GRAPHS")
+    return use_graphs if env is None else env == "1"
 
 
 class RowRunner:
@@ -49,7 +59,9 @@ class RowRunner:
 
     def __init__(self, runner: DecodeRunner, max_sampled: int):
         self.runner = runner
-        self.max_rows = n = ROW_LADDER[-1]
+        embed = runner.decoder.get_input_embeddings().weight
+        params = sum(p.numel() for p in runner.decoder.parameters()) - embed.numel()
+        self.max_rows = n = max([b for b in ROW_LADDER if b * params <= ROW_TOKEN_PARAMS], default=0)
         self.max_sampled = max_sampled
         dev = runner.pool.storage.device
         self.meta = torch.zeros(4, n, dtype=torch.int64, device=dev)  # token, position, slot, context length
@@ -70,8 +82,8 @@ class RowRunner:
         ``p`` reads ``p + 1``) within ``ROW_KV_BYTES``."""
         rows = sum(c.length for c in chunks)
         keys = sum(c.length * (2 * c.start + c.length + 1) // 2 for c in chunks)
-        return (rows <= self.max_rows and sum(c.samples for c in chunks) <= self.max_sampled
-                and keys * self.key_bytes <= ROW_KV_BYTES)
+        return (0 < rows <= self.max_rows and sum(c.samples for c in chunks) <= self.max_sampled
+                and 2 * keys * self.key_bytes <= ROW_KV_BYTES)
 
     def __call__(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """The step's forward, one row per token: (S_sampling, V) fp32 logits of the chunks that sample, in order
