@@ -17,7 +17,8 @@ another program of the same launch writes).
 
 On wherever the engine captures graphs (``UNISON_ROW_GRAPHS=0`` turns it off; ``bench/row_steps.py`` measures it
 against the eager step, ``bench/results/h100/speed/rows/``). Not for
-vision-language prompts, hybrid layer states, latent (MLA) caches or experts modules: those keep the eager step.
+vision-language prompts, hybrid layer states, latent (MLA) caches, experts modules or tensor parallelism (not yet
+run on two GPUs): those keep the eager step.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ once. On an H100 (bench/results/h100/speed/rows/row_steps_*.json, 0.6B and 1.7B)
 and ``ROW_TOKEN_PARAMS`` ran 1.15-14x faster as rows than eagerly; past 8-11 GiB the eager step won (its host
 dispatch and the rows' key reads both grow with the layers, so the budget is a layer's)."""
 ROW_TOKEN_PARAMS = 1024 * 1.75e9
-"""Rows times the decoder's parameters (its shard's, under tensor parallelism) a step may take: 2048 rows at 0.6B,
-1024 at 1.7B (where 2048 rows lost to the eager step), 192 at 8B, whose GEMMs rather than the eager step's host
-dispatch would set the step's time, the rows' key reads on top: unmeasured there, so fewer rows."""
+"""Rows times the decoder's parameters a step may take: 2048 rows at 0.6B, 1024 at 1.7B (where 2048 rows lost to
+the eager step), 192 at 8B, whose GEMMs rather than the eager step's host dispatch would set the step's time, the
+rows' key reads on top: unmeasured there, so fewer rows."""
 
 
 def enabled(use_graphs: bool) -> bool:
