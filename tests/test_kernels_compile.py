@@ -1,7 +1,8 @@
 """The trainer's Triton kernels compile for the GPUs users train on, checked on a machine without one: each variant
 a bf16 training row launches in the CPU tests' interpreter (weights joined as ``load_policy`` lays them out, and
 apart), compiled by Triton's compiler for the H200 (sm_90)
-and the A100 (sm_80) (``kernel_specs``); and the engine's decode attention kernels likewise."""
+and the A100 (sm_80) (``kernel_specs``); and the engine's decode attention, MoE experts and latent (MLA) decode
+kernels likewise."""
 
 from __future__ import annotations
 
@@ -15,12 +16,18 @@ import pytest
 import torch
 from conftest import tiny_llama, tiny_qwen3
 from kernel_specs import TRITON_ENV, record
+from test_moe import EXPERTS, experts_block, gpt_oss_block
+from test_moe_grad import inputs as moe_inputs
 from test_rope_decode import _case, _norms
 
+from unison.engine import moe
 from unison.engine.fused_linear import pack_projections
 from unison.engine.rope_decode import rope_paged_decode
 from unison.engine.triton_attention import paged_decode
+from unison.engine.triton_mla import mla_decode
+from unison.engine.triton_moe import block_sizes, fused_experts
 from unison.rollout.sample import Sample
+from unison.train import fused_experts as train_experts
 from unison.train.loss import LossConfig
 from unison.train.packing import pack_samples
 from unison.train.step import _row_loss
@@ -79,18 +86,20 @@ def test_training_kernels_compile_for_the_h200_and_the_a100(tmp_path: Path):
 def test_decode_attention_kernels_compile_for_the_h200_and_the_a100(tmp_path: Path):
     """The decode step's attention: alone, and with the q/k norms, RoPE and K/V write in its launch (bf16, the
     engine's 128-wide heads and 16-slot blocks; with q/k norms, and without with a window and four splits), as the GPU
-    launches them."""
+    launches them; with the eager step's int32 tables and context lengths and the graphs' int64 ones."""
     specs: dict = {}
     with record(specs):
         for norm, window, splits in ((True, None, 1), (False, 100, 4)):
             q, k, v, cos, sin, kp, vp, slots, tables, lens = _case(16, 8, 128, 16, [5, 70, 300], torch.bfloat16)
             q_norm, k_norm = _norms(128, torch.bfloat16) if norm else (None, None)
-            rope_paged_decode(q, k, v, cos, sin, kp, vp, slots, tables, lens, 16, 128**-0.5, window, q_norm, k_norm,
-                              splits)
-            paged_decode(q, kp, vp, tables, lens, 16, 128**-0.5, window)
+            for index in (torch.int32, torch.int64):
+                tables, lens = tables.to(index), lens.to(index)
+                rope_paged_decode(q, k, v, cos, sin, kp, vp, slots, tables, lens, 16, 128**-0.5, window, q_norm,
+                                  k_norm, splits)
+                paged_decode(q, kp, vp, tables, lens, 16, 128**-0.5, window)
     entries = list(specs.values())
     assert {e["name"] for e in entries} == {"_rope_decode_kernel", "_decode_kernel", "_combine_kernel"}
-    assert len(entries) == 5
+    assert len(entries) == 9  # each attention kernel at both index widths; the combine reads neither
     # The interpreter records its own variant (fp32 dot products, a while loop, no programmatic launch): compile the
     # GPU's, with programmatic launch where it has it (sm_90).
     for e in entries:
@@ -101,6 +110,48 @@ def test_decode_attention_kernels_compile_for_the_h200_and_the_a100(tmp_path: Pa
     for e in hopper:
         e["kwargs"]["PDL"] = ["value", True]
     _compile(hopper, tmp_path, ("90",))
+
+
+def test_experts_and_latent_decode_kernels_compile_for_the_h200_and_the_a100(tmp_path: Path):
+    """The MoE experts' kernels (routing, gate/up, down; the trainer's backward) at each of ``block_sizes``' three
+    tilings, in transformers' default layout (Qwen3-MoE) and GptOss's (transposed, interleaved, biased), bf16; and
+    the latent (MLA) decode attention at DeepSeek's widths (rank 512, RoPE 64), one split and four, with the eager
+    step's int32 tables and the graphs' int64 ones. As the decode attention's test: the GPU's variants compiled."""
+    specs: dict = {}
+    with record(specs):
+        for family in ("qwen3_moe", "gpt_oss"):
+            block = experts_block(torch.bfloat16) if family == "qwen3_moe" else gpt_oss_block(torch.bfloat16, 2)
+            layout, gate_up_bias, down_bias = moe.module_layout(block)
+            x, idx, w, upstream = moe_inputs(5, 2, torch.bfloat16, seed=1)
+            for pairs in (4 * EXPERTS, 16 * EXPERTS, 64 * EXPERTS):  # decode, between, prefill: the three tilings
+                sizes = block_sizes(pairs, EXPERTS)
+                fused_experts(x, idx, w, block.gate_up_proj, block.down_proj, sizes, gate_up_bias=gate_up_bias,
+                              down_bias=down_bias, layout=layout)
+            trained = block.requires_grad_(True)
+            x = x.requires_grad_(True)
+            out = train_experts.experts(x, idx, w.requires_grad_(True), trained.gate_up_proj, trained.down_proj,
+                                        gate_up_bias=gate_up_bias, down_bias=down_bias, layout=layout)
+            (out.float() * upstream).sum().backward()
+        g = torch.Generator().manual_seed(0)
+        rank, rope, heads, page = 512, 64, 16, 16
+        kv_pool = torch.randn(12 * page, 1, rank + rope, generator=g).to(torch.bfloat16)
+        q = torch.randn(3, heads, rank + rope, generator=g).to(torch.bfloat16)
+        for index in (torch.int32, torch.int64):
+            tables = torch.randperm(12, generator=g)[:12].view(3, 4).to(index)
+            lens = torch.tensor([5, 40, 64], dtype=index)
+            for splits in (1, 4):
+                mla_decode(q, kv_pool, rank, tables, lens, page, (rank + rope) ** -0.5, splits)
+    entries = list(specs.values())
+    names = {e["name"] for e in entries}
+    assert {"_routing_kernel", "_gate_up_kernel", "_down_kernel", "_act_grad_kernel", "_input_grad_kernel",
+            "_weight_grad_kernel", "_mla_decode_kernel", "_combine_kernel"} <= names, names
+    tilings = {tuple(e["kwargs"][k][1] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) for e in entries
+               if e["name"] == "_gate_up_kernel"}
+    assert len(tilings) >= 3, tilings
+    for e in entries:  # the interpreter's fp32 upcast off: the GPU's bf16 dot products and roundings
+        if "UPCAST" in e["kwargs"]:
+            e["kwargs"]["UPCAST"] = ["value", False]
+    _compile(entries, tmp_path)
 
 
 def _compile(entries: list[dict], tmp_path: Path, capabilities: tuple[str, ...] = ("90", "80")) -> None:
