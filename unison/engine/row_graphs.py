@@ -91,25 +91,25 @@ class RowRunner:
         (``Engine._forward``'s contract), a view of a static buffer that the next call overwrites."""
         r = self.runner
         bs = r.block_size
-        tokens, positions, slots, tables, sample_rows = [], [], [], [], []
+        tokens, positions, slots, spans, sample_rows = [], [], [], [], []
         for chunk in chunks:
             req, start, end = chunk.request, chunk.start, chunk.start + chunk.length
+            spans.append((len(tokens), req.blocks))  # the chunk's first row; its rows share the request's table
             tokens += req.token_slice(start, end)
             positions.append(np.arange(start, end))
             slots.append(slots_of(req.blocks, start, end, bs))
-            tables += [req.blocks] * chunk.length
             if chunk.samples:
                 sample_rows.append(len(tokens) - 1)
         n, s = len(tokens), len(sample_rows)
         b = next(size for size in ROW_LADDER if size >= n)
-        w = max(map(len, tables))
+        w = max(len(blocks) for _, blocks in spans)
         meta = np.empty((4, b), dtype=np.int64)  # token, position, slot, context length; padding rows at the end
         meta[0, :n], meta[1, :n], meta[2, :n] = tokens, np.concatenate(positions), np.concatenate(slots)
         meta[3, :n] = meta[1, :n] + 1
         meta[:, n:] = ((0,), (0,), (r.scratch_block * bs,), (1,))
         table = np.full((b, w), r.scratch_block, dtype=np.int64)
-        for i, blocks in enumerate(tables):
-            table[i, :len(blocks)] = blocks
+        for (first, blocks), chunk in zip(spans, chunks, strict=True):
+            table[first:first + chunk.length, :len(blocks)] = blocks
         sample = np.zeros(self.max_sampled, dtype=np.int64)
         sample[:s] = sample_rows
         host = torch.from_numpy(np.concatenate([meta.ravel(), table.ravel(), sample]))
