@@ -7,6 +7,9 @@ import pytest
 import torch
 from conftest import count_calls, max_logprob_diff, random_prompts, tiny_llama, tiny_qwen3
 
+from unison.config import load_config
+from unison.train.config import TrainConfig
+
 pytest.importorskip("triton")
 
 from unison.engine import (  # noqa: E402
@@ -76,11 +79,16 @@ def test_steps_past_the_rows_budget_run_eagerly(monkeypatch):
     """A step whose rows would read more key bytes a layer than ``ROW_KV_BYTES``, or that has more rows than the
     largest graph (the ladder's, or fewer for a model whose rows times parameters pass ``ROW_TOKEN_PARAMS``), is
     prefilled eagerly (flash, or the reference on the CPU); the row graphs are on by default only where the engine
-    captures graphs."""
+    captures graphs, and ``engine.row_graphs=false`` turns them off."""
     model = tiny_qwen3()
     assert _engine(model, False, monkeypatch).rows is None
     monkeypatch.delenv("UNISON_ROW_GRAPHS")
     assert Engine(model, EngineConfig(num_blocks=96, block_size=4, attention="triton")).rows is None  # the CPU
+    monkeypatch.setenv("UNISON_ROW_GRAPHS", "1")
+    cfg = load_config(TrainConfig, overrides=["--engine.row_graphs=false"]).engine  # unison train's override
+    assert cfg.row_graphs is False
+    off = Engine(model, EngineConfig(**{**cfg.__dict__, "num_blocks": 96, "block_size": 4, "attention": "triton"}))
+    assert off.rows is None and _engine(model, True, monkeypatch).rows is not None
     params = sum(p.numel() for p in model.model.parameters()) - model.model.embed_tokens.weight.numel()
     monkeypatch.setattr(row_graphs, "ROW_TOKEN_PARAMS", 20 * params)
     assert _engine(model, True, monkeypatch).rows.max_rows == 16

@@ -88,8 +88,8 @@ class Engine(OverlappedSteps):
             if self.device.type == "cuda":  # (in Triton's interpreter they cost more than PyTorch's ops)
                 self._fused = self.runner.swaps
         self.rows = None  # steps with prompt chunks as graph rows (unison.engine.row_graphs); not yet run across GPUs
-        if (self.runner is not None and row_graphs.enabled(self.runner.use_graphs) and self.vision is None
-                and tp == 1 and self.states is None and not self.pool.has_latent
+        if (self.runner is not None and config.row_graphs and row_graphs.enabled(self.runner.use_graphs)
+                and self.vision is None and tp == 1 and self.states is None and not self.pool.has_latent
                 and not any(map(moe.is_experts_module, model.modules()))):
             self.rows = row_graphs.RowRunner(self.runner, config.max_num_seqs)
         # Prefill held for the graph steps' sake: without graphs every step is eager and holding only adds steps.

@@ -15,9 +15,10 @@ keys a layer where flash over the chunk reads each once: a step takes this path 
 kernel, the launch after it), never in one launch (``unison.engine.rope_decode``: a program would read keys that
 another program of the same launch writes).
 
-On wherever the engine captures graphs (``UNISON_ROW_GRAPHS=0`` turns it off; ``bench/row_steps.py`` measures it
-against the eager step, ``bench/results/h100/speed/rows/``). Not for vision-language prompts, hybrid layer states,
-latent (MLA) caches, experts modules or tensor parallelism (not yet run on two GPUs): those keep the eager step.
+On wherever the engine captures graphs (``EngineConfig.row_graphs=False`` or ``UNISON_ROW_GRAPHS=0`` turns it off;
+``bench/row_steps.py`` measures it against the eager step, ``bench/results/h100/speed/rows/``). Not for
+vision-language prompts, hybrid layer states, latent (MLA) caches, experts modules or tensor parallelism (not yet
+run on two GPUs): those keep the eager step.
 """
 
 from __future__ import annotations

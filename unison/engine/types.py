@@ -44,6 +44,13 @@ class EngineConfig:
     cuda_graphs: bool = True
     """With the Triton backend, run decode-only steps through CUDA graphs (captured per batch size on first use;
     on the CPU the same static-buffer path runs eagerly)."""
+    row_graphs: bool = True
+    """Prefill steps of short prompt chunks (a rollout's prompts, a tool's reply, the decode rows beside them) through
+    CUDA graphs too, every token a query row of the decode kernel (unison.engine.row_graphs): on an H100 a step of
+    8 x 64 prompt tokens took 3.7-4.6 ms against 17.7-19.4 ms eagerly, a staggered multi-turn rollout 1.03 s against
+    1.25-1.37 s (bench/results/h100/speed/rows). Taken within 2048 rows and 6 GiB of keys and values a layer (fewer
+    rows for larger models); not for vision prompts, hybrid layer states, MLA caches, experts or tensor parallelism.
+    Needs cuda_graphs; ``UNISON_ROW_GRAPHS=0`` turns it off too."""
     async_scheduling: bool = True
     """Overlap the host's work with the device's in decode-only steps through the runner (cuda_graphs): the next step
     is launched, fed the tokens the last one sampled on the device, before those are read back (unison.engine.overlap).
@@ -55,7 +62,8 @@ class EngineConfig:
     share one eager step instead of each stopping the CUDA-graph decode steps for one of its own; an arrival after a
     quiet spell is prefilled at once (unison.engine.scheduler). 0: always at the next step. An eager step costs
     about 27 decode steps (0.6B, 64 requests, one H200: 37 against 1.37 ms); multi-turn episodes there took 1.17 s
-    at 64 against 1.51-1.60 s at 16 (bench/results/h200/speed/multiturn)."""
+    at 64 against 1.51-1.60 s at 16 (bench/results/h200/speed/multiturn). With row_graphs those steps are graphs
+    too and the hold matters less (an H100: 1.20, 0.99, 1.03 and 1.08 s at 0, 4, 16 and 64)."""
     moe_kernel: Literal["triton", "transformers"] = "triton"
     """A mixture-of-experts model's experts in the engine's forwards on CUDA: unison's Triton kernels (the routing
     permutation folded into their loads, no host sync; two layouts: the common one, gate and up concatenated, no
