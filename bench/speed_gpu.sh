@@ -179,7 +179,15 @@ PY
           $flags --json "$out/loop_overlap${flags:+_blocking}.json" 2>&1 | quiet 8
       done
       (cd bench && python3 swap_cost.py --json "$out/swap_cost.json" | tail -4) ;;
-    rows)  # ROWS_PARTS: which of "tests prefill rollout multiturn" (default all); WAITS: multiturn.py's holds (64)
+    rows)  # ROWS_PARTS: which of "tests prefill rollout multiturn" (default all) or "crossover"; WAITS: multiturn.py's
+           # holds (64); CROSSOVER_SHAPES: row_steps.py's shapes for "crossover" (default qwen3-8b: ROW_TOKEN_PARAMS
+           # allows it 192 rows, unmeasured)
+      if [[ "${ROWS_PARTS:-}" == *crossover* ]]; then
+        for s in ${CROSSOVER_SHAPES:-qwen3-8b}; do
+          (cd bench && timeout 400 python3 row_steps.py --shape $s --n 8 16 64 --json "$out/row_steps_$s.json" 2>&1 \
+            | grep -v "^\[transformers\|Loading" | tail -40)
+        done
+      fi
       if [[ "${ROWS_PARTS:-tests}" == *tests* ]]; then
         UNISON_ROW_GRAPHS=1 timeout 240 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_row_graphs_gpu.py \
           tests/test_engine_gpu.py tests/test_fused_layer_gpu.py > "$out/rows_gpu_tests.log" 2>&1
