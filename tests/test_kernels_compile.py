@@ -102,10 +102,7 @@ def test_decode_attention_kernels_compile_for_the_h200_and_the_a100(tmp_path: Pa
     assert len(entries) == 9  # each attention kernel at both index widths; the combine reads neither
     # The interpreter records its own variant (fp32 dot products, a while loop, no programmatic launch): compile the
     # GPU's, with programmatic launch where it has it (sm_90).
-    for e in entries:
-        if "UPCAST" in e["kwargs"]:
-            e["kwargs"]["UPCAST"] = ["value", False]
-    _compile(entries, tmp_path)
+    _compile(_upcast_off(entries), tmp_path)
     hopper = json.loads(json.dumps(entries))
     for e in hopper:
         e["kwargs"]["PDL"] = ["value", True]
@@ -127,10 +124,10 @@ def test_experts_and_latent_decode_kernels_compile_for_the_h200_and_the_a100(tmp
                 sizes = block_sizes(pairs, EXPERTS)
                 fused_experts(x, idx, w, block.gate_up_proj, block.down_proj, sizes, gate_up_bias=gate_up_bias,
                               down_bias=down_bias, layout=layout)
-            trained = block.requires_grad_(True)
-            x = x.requires_grad_(True)
-            out = train_experts.experts(x, idx, w.requires_grad_(True), trained.gate_up_proj, trained.down_proj,
-                                        gate_up_bias=gate_up_bias, down_bias=down_bias, layout=layout)
+            block.requires_grad_(True)
+            out = train_experts.experts(x.requires_grad_(True), idx, w.requires_grad_(True), block.gate_up_proj,
+                                        block.down_proj, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                                        layout=layout)
             (out.float() * upstream).sum().backward()
         g = torch.Generator().manual_seed(0)
         rank, rope, heads, page = 512, 64, 16, 16
@@ -148,10 +145,16 @@ def test_experts_and_latent_decode_kernels_compile_for_the_h200_and_the_a100(tmp
     tilings = {tuple(e["kwargs"][k][1] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) for e in entries
                if e["name"] == "_gate_up_kernel"}
     assert len(tilings) >= 3, tilings
-    for e in entries:  # the interpreter's fp32 upcast off: the GPU's bf16 dot products and roundings
+    _compile(_upcast_off(entries), tmp_path)
+
+
+def _upcast_off(entries: list[dict]) -> list[dict]:
+    """The recorded variants as the GPU launches them: the interpreter's fp32 upcast (``UPCAST=_INTERPRET``) off,
+    bf16 dot products and roundings."""
+    for e in entries:
         if "UPCAST" in e["kwargs"]:
             e["kwargs"]["UPCAST"] = ["value", False]
-    _compile(entries, tmp_path)
+    return entries
 
 
 def _compile(entries: list[dict], tmp_path: Path, capabilities: tuple[str, ...] = ("90", "80")) -> None:

@@ -67,9 +67,17 @@ class StopStrings:
 
 def completion_text(tokenizer, completion: Completion) -> str:
     """The completion's text, cut before its stop string where one ended it."""
-    text = decoder(tokenizer)(completion.token_ids)
-    if completion.stop_string is not None:
-        cut = text.find(completion.stop_string)
-        if cut >= 0:
-            text = text[:cut]
-    return text
+    return completion_texts(tokenizer, [completion])[0]
+
+
+def completion_texts(tokenizer, completions: list[Completion]) -> list[str]:
+    """``completion_text`` of each, through one ``decoder``."""
+    decode, texts = decoder(tokenizer), []
+    for completion in completions:
+        text = decode(completion.token_ids)
+        if completion.stop_string is not None:
+            cut = text.find(completion.stop_string)
+            if cut >= 0:
+                text = text[:cut]
+        texts.append(text)
+    return texts

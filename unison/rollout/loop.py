@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Literal
 from ..dist.runtime import ReadyAgreement
 from ..engine import Completion, GenerationEngine, SamplingParams
 from ..engine.seeding import group_seed
-from ..engine.stop import completion_text
+from ..engine.stop import completion_texts
 from ..vision.messages import chat_messages
 from .advantage import group_advantages
 from .rewards import RewardFn, RewardScorer, Scorer
@@ -261,7 +261,7 @@ class RolloutLoop:
         rows = [self.in_engine[c.request_id].row for c in finished]
         keys = dict.fromkeys(k for row in rows for k in row if k != "prompt")
         columns = {k: [row.get(k) for row in rows] for k in keys}
-        texts = [completion_text(self.tokenizer, c) for c in finished]  # cut before a stop string
+        texts = completion_texts(self.tokenizer, finished)  # cut before a stop string
         prompts = [self.in_engine[c.request_id].prompt_text for c in finished]
         ids = [list(c.token_ids) for c in finished]
         scored = self.scorer.score(prompts, texts, columns, ids) if finished else []
