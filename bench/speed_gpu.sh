@@ -31,6 +31,8 @@
 #                                     # its GPU tests and the engine's, then UNISON_ROW_GRAPHS=0 and =1 alternating:
 #                                     # bench/prefill_profile.py at 8 x 64 (a GRPO rollout's prompts), rollout_steps.py
 #                                     # (0.6B: its first step) and multiturn.py (staggered, the default hold)
+#   bash bench/speed_gpu.sh graphmem  # bench/graph_memory.py: the memory the decode and row graphs hold after a run
+#                                     # through every batch size, and a decode step at 256 and 64 (0.6B)
 #   bash bench/speed_gpu.sh multiturn # bench/multiturn.py at 0.6B, staggered turns, engine.prefill_wait_steps 16,
 #                                     # 64 (the default) and 128 (speed/multiturn ran 0, 16, 64), then
 #                                     # bench/loop_overlap.py (the episode loop on the overlapped engine) with the
@@ -123,6 +125,12 @@ for mode in "${@:-profile}"; do
          python3 train_profile.py --shape $shape --rows 24576 --kernels on --json "$out/train_profile_$shape.json" 2>&1 \
            | grep "^optimizer alone"
        done) ;;
+    graphmem)  # what the captured graphs hold (bench/graph_memory.py, 0.6B, 256 requests); GRAPHMEM_BASE=1 runs
+               # build/base's unison (an older tree, carried: see BASE below) first, in the same call
+      for tree in ${GRAPHMEM_BASE:+$PWD/build/base} ""; do
+        (cd bench && PYTHONPATH=${tree:+$tree:}$PYTHONPATH python3 graph_memory.py --shape qwen3-0.6b \
+          --json "$out/graph_memory${tree:+_base}.json" 2>&1 | tail -3)
+      done ;;
     attention)  # why the kernel reads K/V at ~3.2 of the ~4.3 TB/s a copy reaches (speed/goals/probe)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
       cat > /tmp/ncu_decode.py <<'PY'

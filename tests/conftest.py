@@ -51,6 +51,17 @@ def count_calls(monkeypatch, module, names) -> dict[str, int]:
     return calls
 
 
+def record_returns(monkeypatch, cls, name: str = "__call__") -> list:
+    """What each call of ``cls.name`` returns (each still runs), in order, for the rest of the test."""
+    returned, fn = [], getattr(cls, name)
+
+    def recorded(*a, **kw):
+        returned.append(fn(*a, **kw))
+        return returned[-1]
+    monkeypatch.setattr(cls, name, recorded)
+    return returned
+
+
 def random_prompts(lengths, vocab: int = 256, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -68,6 +68,9 @@ def test_head_equals_the_model_own_logits(family):
     own = model(input_ids=ids).logits[0].float()
     torch.testing.assert_close(head(hidden), own, rtol=1e-5, atol=1e-5)
     assert (hidden @ head.weight.T - own).abs().max() > 0.1  # the transform matters at these weights
+    buffer = torch.full((16, own.shape[1]), float("nan"))  # the engine's graphs: their rows of one buffer
+    written = head(hidden, out=buffer[:11])
+    assert written.data_ptr() == buffer.data_ptr() and torch.equal(written, head(hidden))
 
 
 def test_gemma_without_a_final_softcap_is_plain():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import count_calls, max_logprob_diff, random_prompts, tiny_llama, tiny_qwen3
+from conftest import count_calls, max_logprob_diff, random_prompts, record_returns, tiny_llama, tiny_qwen3
 
 from unison.config import load_config
 from unison.train.config import TrainConfig
@@ -21,6 +21,7 @@ from unison.engine import (  # noqa: E402
     row_graphs,
     triton_backend,  # noqa: E402
 )
+from unison.engine.graphs import DecodeRunner  # noqa: E402
 
 PARAMS = SamplingParams(max_new_tokens=4, temperature=1.0, stop_token_ids=(), seed=3)
 
@@ -103,3 +104,20 @@ def test_steps_past_the_rows_budget_run_eagerly(monkeypatch):
     assert engine.stats()["row_graph_steps"] == 0
     engine.generate(random_prompts([9], seed=7), PARAMS)
     assert engine.stats()["row_graph_steps"] == 1
+
+
+def test_every_graph_step_writes_one_logits_buffer(monkeypatch):
+    """The decode steps at every batch size and the steps of rows return their logits in the decode runner's one
+    buffer (``DecodeRunner.logits``), where each captured graph's own output would stay allocated in the graphs'
+    memory pool, one per size; the completions are still teacher-forced."""
+    model = tiny_qwen3()
+    engine = _engine(model, True, monkeypatch)
+    decoded = record_returns(monkeypatch, DecodeRunner)
+    rowed = record_returns(monkeypatch, row_graphs.RowRunner)
+    for prompt, new in zip(random_prompts([7, 12, 5, 9], seed=5), (2, 3, 5, 8), strict=True):
+        engine.submit(prompt, SamplingParams(max_new_tokens=new, temperature=1.0, stop_token_ids=()))
+    done = _drain(engine)
+    assert {len(out) for out in decoded} >= {1, 2, 3, 4} and rowed  # the ladder's 1, 2 and 4
+    buffer = engine.runner.logits.untyped_storage().data_ptr()
+    assert all(out.untyped_storage().data_ptr() == buffer for out in decoded + rowed)
+    assert max_logprob_diff(model, done) < 1e-4

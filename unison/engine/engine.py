@@ -91,7 +91,7 @@ class Engine(OverlappedSteps):
         if (self.runner is not None and config.row_graphs and row_graphs.enabled(self.runner.use_graphs)
                 and self.vision is None and tp == 1 and self.states is None and not self.pool.has_latent
                 and not any(map(moe.is_experts_module, model.modules()))):
-            self.rows = row_graphs.RowRunner(self.runner, config.max_num_seqs)
+            self.rows = row_graphs.RowRunner(self.runner)
         # Prefill held for the graph steps' sake: without graphs every step is eager and holding only adds steps.
         self.scheduler = parts.scheduler_for(config, self.allocator, self.states is not None, self.runner is not None)
         self.version = 0

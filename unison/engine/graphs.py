@@ -114,6 +114,10 @@ class DecodeRunner:
         # waits for the step before last (its sampled tokens) before filling that step's buffer again.
         self.hosts = [torch.empty(m * n + n * w, dtype=torch.int64, pin_memory=self.use_graphs) for _ in range(2)]
         self._turn = 0
+        # Every batch size's logits, and the row graphs': one buffer outside the graphs' memory pool, which each step
+        # overwrites (its sampling reads it before the next step's graph, in stream order). A graph's own output
+        # would stay allocated in the pool, one per captured size: rows summed over the ladder (1,543 at 256).
+        self.logits = torch.empty(n, lm_head.weight.shape[0], dtype=torch.float32, device=dev)
         self.mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, object, object]] = {}
         self.num_captured = 0
@@ -128,7 +132,7 @@ class DecodeRunner:
         """One decode token per request, at ``positions`` (its KV goes to ``slots``, a hybrid layer's state is in
         ``state_slots``; ``rope_shift``: a vision-language prompt's multimodal RoPE rotates the token by its position
         plus the shift). ``device_tokens``: the (n,) input tokens as a device tensor, ``tokens`` then None. Returns
-        (n, V) fp32 logits, a view of a static buffer that the next call overwrites."""
+        (n, V) fp32 logits, a view of ``self.logits``, which the next call overwrites."""
         n, m = len(positions), self.rows
         b = next(size for size in self.sizes if size >= n)
         w = max(len(t) for t in block_tables)
@@ -187,7 +191,7 @@ class DecodeRunner:
                                       use_cache=False, **mla.forward_kwargs(batch)).last_hidden_state[0]
                 if states is not None:
                     layer_state.check_visited(states)
-                return self.lm_head(hidden)
+                return self.lm_head(hidden, out=self.logits[:b])
 
         # Kept with the graph: the tensors its kernels read that nothing else holds (a hybrid's state indices).
         if not self.use_graphs:
@@ -200,7 +204,6 @@ class DecodeRunner:
         with torch.cuda.stream(side):
             first = forward()
         torch.cuda.current_stream().wait_stream(side)
-        first.record_stream(torch.cuda.current_stream())  # read there (sampling) after the side stream made it
         graph = torch.cuda.CUDAGraph()
         with no_collection(), torch.cuda.graph(graph, pool=self.mempool):
             logits = forward()

@@ -22,14 +22,15 @@ from dataclasses import dataclass, field
 import torch
 
 
-def lm_head_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def lm_head_fp32(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """hidden: (N, H); weight: (V, H), same dtype. Returns (N, V) float32 = hidden @ weight.T, accumulated and
-    returned in fp32 without materialising an fp32 copy of the weight on the GPU."""
+    returned in fp32 without materialising an fp32 copy of the weight on the GPU; written into ``out`` (N, V)
+    float32 where given (the engine's graphs: one buffer for every batch size)."""
     if weight.dtype == torch.float32:
-        return hidden.float() @ weight.T
+        return torch.mm(hidden.float(), weight.T, out=out)
     if hidden.is_cuda:
-        return torch.mm(hidden, weight.T, out_dtype=torch.float32)
-    return hidden.float() @ weight.float().T
+        return torch.mm(hidden, weight.T, out_dtype=torch.float32, out=out)
+    return torch.mm(hidden.float(), weight.float().T, out=out)
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,9 @@ class LMHead:
     """(V, H), the model's own Parameter (tied to the input embedding where the model ties them)."""
     transform: HeadTransform = IDENTITY
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (N, H) in the weight's dtype. Returns (N, V) float32 logits."""
-        return self.transform.apply_(lm_head_fp32(hidden, self.weight))
+    def __call__(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: (N, H) in the weight's dtype. Returns (N, V) float32 logits, in ``out`` where given."""
+        return self.transform.apply_(lm_head_fp32(hidden, self.weight, out))
 
 
 def decoder_of(model: torch.nn.Module) -> torch.nn.Module:

@@ -56,20 +56,22 @@ def enabled(use_graphs: bool) -> bool:
 
 class RowRunner:
     """``rows(chunks)``: a step's chunks one row per token, through a graph captured for the padded row count
-    (``takes(chunks)`` first). Shares the decode runner's model, pool, kernel swaps and graph memory pool."""
+    (``takes(chunks)`` first). Shares the decode runner's model, pool, kernel swaps, graph memory pool and logits
+    buffer."""
 
-    def __init__(self, runner: DecodeRunner, max_sampled: int):
+    def __init__(self, runner: DecodeRunner):
         self.runner = runner
         embed = runner.decoder.get_input_embeddings().weight
         params = sum(p.numel() for p in runner.decoder.parameters()) - embed.numel()
         self.max_rows = n = max([b for b in ROW_LADDER if b * params <= ROW_TOKEN_PARAMS], default=0)
-        self.max_sampled = max_sampled
+        self.max_sampled = max_sampled = runner.max_batch  # (the engine's max_num_seqs)
         dev = runner.pool.storage.device
         self.meta = torch.zeros(4, n, dtype=torch.int64, device=dev)  # token, position, slot, context length
         self.tables = torch.full((n, runner.max_blocks), runner.scratch_block, dtype=torch.int64, device=dev)
         self.sample = torch.zeros(max_sampled, dtype=torch.int64, device=dev)
-        # Written by every graph (outside their memory pool): the sampled rows' logits.
-        self.logits = torch.empty(max_sampled, runner.lm_head.weight.shape[0], dtype=torch.float32, device=dev)
+        # The sampled rows' logits, written by every graph into the decode graphs' buffer (a step's logits are read
+        # before the next step writes any).
+        self.logits = runner.logits
         widest = max(runner.pool.layers, key=lambda kv: kv.kv_heads * kv.width)
         self.key_bytes = widest.kv_heads * widest.width * runner.pool.storage.element_size()  # a key a layer, at most
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, object]] = {}
@@ -139,7 +141,7 @@ class RowRunner:
             with torch.inference_mode(), r.swaps(), r.local_forward():
                 hidden = r.decoder(input_ids=ids, position_ids=positions, attention_mask=NO_MASK, paged=batch,
                                    use_cache=False).last_hidden_state[0]
-                return self.logits.copy_(r.lm_head(hidden.index_select(0, self.sample)))
+                return r.lm_head(hidden.index_select(0, self.sample), out=self.logits)
 
         if not r.use_graphs:
             return (None, forward), None
