@@ -188,11 +188,12 @@ PY
       done
       (cd bench && python3 swap_cost.py --json "$out/swap_cost.json" | tail -4) ;;
     rows)  # ROWS_PARTS: which of "tests prefill rollout multiturn" (default all) or "crossover"; WAITS: multiturn.py's
-           # holds (64); CROSSOVER_SHAPES: row_steps.py's shapes for "crossover" (default qwen3-8b: ROW_TOKEN_PARAMS
-           # allows it 192 rows, unmeasured)
+           # holds (64); CROSSOVER_SHAPES: row_steps.py's shapes for "crossover" (default qwen3-4b: ROW_TOKEN_PARAMS
+           # allows it 384 rows, unmeasured; 8B's 256 measured in speed/rows/crossover_8b, ~20 s with this grid)
       if [[ "${ROWS_PARTS:-}" == *crossover* ]]; then
-        for s in ${CROSSOVER_SHAPES:-qwen3-8b}; do
-          (cd bench && timeout 400 python3 row_steps.py --shape $s --n 8 16 64 --json "$out/row_steps_$s.json" 2>&1 \
+        for s in ${CROSSOVER_SHAPES:-qwen3-4b}; do
+          (cd bench && timeout 400 python3 row_steps.py --shape $s --n 8 16 64 --lengths 16 32 64 --contexts 64 1024 \
+            --json "$out/row_steps_$s.json" 2>&1 \
             | grep -v "^\[transformers\|Loading" | tail -40)
         done
       fi

@@ -119,6 +119,9 @@ class DecodeRunner:
         # would stay allocated in the pool, one per captured size: rows summed over the ladder (1,543 at 256).
         self.logits = torch.empty(n, lm_head.weight.shape[0], dtype=torch.float32, device=dev)
         self.mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # Every capture's warm-up on this one stream: PyTorch keeps a cuBLAS workspace for each stream a GEMM ran on
+        # (32 MiB on Hopper), and a new stream a capture took one more, for good (pytorch/pytorch#99196).
+        self.warm_stream = torch.cuda.Stream(dev) if self.use_graphs else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, object, object]] = {}
         self.num_captured = 0
 
@@ -196,16 +199,22 @@ class DecodeRunner:
         # Kept with the graph: the tensors its kernels read that nothing else holds (a hybrid's state indices).
         if not self.use_graphs:
             return (None, forward, states), None
-        # Warm up on a side stream (kernel compilation, library handles), then capture. The warm-up is this step
-        # itself (its logits are the step's, and the graph first replays at the next step): a hybrid layer's
-        # state must advance once per step, where rewriting the same KV twice would have been harmless.
-        side = torch.cuda.Stream()
+        # The warm-up is this step itself: a hybrid layer's state must advance once per step, where rewriting the
+        # same KV twice would have been harmless.
+        graph, first = self.capture(forward)
+        return (graph, self.logits[:b], states), first
+
+    def capture(self, forward: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """(graph, this step's output): ``forward`` run once on a side stream (kernel compilation, library handles;
+        its output is the step's, and the graph first replays at the next step), then captured into the runner's
+        memory pool. The row graphs capture through this too."""
+        side = self.warm_stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             first = forward()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with no_collection(), torch.cuda.graph(graph, pool=self.mempool):
-            logits = forward()
+            forward()
         self.num_captured += 1
-        return (graph, logits, states), first
+        return graph, first

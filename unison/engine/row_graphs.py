@@ -30,7 +30,7 @@ import torch
 
 from .attention import NO_MASK
 from .backend import PagedBatch, slots_of
-from .graphs import DecodeRunner, no_collection
+from .graphs import DecodeRunner
 from .scheduler import ScheduledChunk
 
 ROW_LADDER = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
@@ -42,9 +42,10 @@ once. On an H100 (bench/results/h100/speed/rows/row_steps_*.json, 0.6B and 1.7B)
 and ``ROW_TOKEN_PARAMS`` ran 1.15-14x faster as rows than eagerly; past 8-11 GiB the eager step won (its host
 dispatch and the rows' key reads both grow with the layers, so the budget is a layer's)."""
 ROW_TOKEN_PARAMS = 1024 * 1.75e9
-"""Rows times the decoder's parameters a step may take: 2048 rows at 0.6B, 1024 at 1.7B (where 2048 rows lost to
-the eager step), 192 at 8B, whose GEMMs rather than the eager step's host dispatch would set the step's time, the
-rows' key reads on top: unmeasured there, so fewer rows."""
+"""Rows times the decoder's parameters (its embedding aside) a step may take: 2048 rows at 0.6B, 1024 at 1.7B (where
+2048 rows lost to the eager step), 384 at 4B (unmeasured), 256 at 8B, where the GEMMs rather than the eager step's
+host dispatch set the step's time: there every measured step of 128 or 256 rows ran 1.35-2.7x faster as rows, and
+512 rows won at 1.4 GB of keys a layer, broke even at 3 GB and lost at 5 GB (``rows/crossover_8b``, an H100)."""
 
 
 def enabled(use_graphs: bool) -> bool:
@@ -145,13 +146,5 @@ class RowRunner:
 
         if not r.use_graphs:
             return (None, forward), None
-        side = torch.cuda.Stream()  # warm-up on a side stream: this step itself (its logits are the step's)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            first = forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with no_collection(), torch.cuda.graph(graph, pool=r.mempool):
-            forward()
-        r.num_captured += 1
+        graph, first = r.capture(forward)
         return (graph, None), first
