@@ -117,3 +117,26 @@ def test_no_collection_runs_inside_a_decode_graph_capture():
         gc.set_threshold(*thresholds)
     assert engine.stats()["graphs_captured"] >= 2 and engine.stats()["graph_steps"] > 0
     assert len(inside) > 1000 and not any(inside)
+
+
+def test_more_captured_batch_sizes_hold_no_more_memory():
+    """Decode graphs of 7 more batch sizes (and their warm-ups) leave what the run holds on the GPU where it was:
+    every size writes its logits into the runner's one buffer, and every warm-up runs on the runner's one side
+    stream. (Before: each size's fp32 logits stayed in the graphs' pool, and each warm-up's new stream kept a cuBLAS
+    workspace, 32 MiB on Hopper, for good: bench/results/h100/speed/graphmem.)"""
+    model = gpu_qwen3(torch.bfloat16)
+    engine = Engine(model, EngineConfig(num_blocks=512, block_size=16, max_batch_tokens=2048, max_num_seqs=64,
+                                        seed=0))
+
+    def through_sizes(n: int) -> None:  # request i stops after i + 2 tokens: decode batches of n, n - 1, ..., 1
+        for i, prompt in enumerate(random_prompts([8] * n, vocab=4096, seed=n)):
+            engine.submit(prompt, SamplingParams(max_new_tokens=i + 2, stop_token_ids=()))
+        while engine.num_unfinished:
+            engine.step()
+        torch.cuda.synchronize()
+
+    through_sizes(8)  # the ladder's 1, 2, 4 and 8
+    captured, held = engine.stats()["graphs_captured"], torch.cuda.memory_allocated()
+    through_sizes(64)  # ... and 16, 24, ..., 64
+    assert engine.stats()["graphs_captured"] >= captured + 7
+    assert torch.cuda.memory_allocated() - held < 2**20
