@@ -1,12 +1,13 @@
 """What the engine's captured graphs hold on the GPU: a run that passes every decode batch size of the ladder once
 (request i of N stops after i + 2 tokens, so each step decodes one request fewer) and some steps of prompt rows,
-with ``torch.cuda.memory_allocated`` (the tensors alive: each graph's outputs stay allocated in the graphs' memory
-pool) and ``memory_reserved`` (the pool's freed blocks too) after the weights, after the engine's construction (its
-KV pool and static buffers) and after the run, and a decode step's time at 256 and 64.
+with ``torch.cuda.memory_allocated`` (the tensors alive, a graph's outputs and library workspaces among them) and
+``memory_reserved`` (the graphs' pool's freed blocks too) after the weights, after the engine's construction (its
+static buffers; the KV pool is mapped outside PyTorch's allocator where CUDA's virtual memory serves it) and after
+the run, and a decode step's time at 256 and 64. ``--where`` names the lines that allocated what the run holds.
 
-    python bench/graph_memory.py --shape qwen3-0.6b --json graph_memory.json
+    python bench/graph_memory.py --shape qwen3-0.6b --where --json graph_memory.json
 
-An A/B runs it twice, once with an older tree's ``unison`` first on the path (``BASE=build/base`` in speed_gpu.sh).
+``GRAPHMEM_BASE=1 bash bench/speed_gpu.sh graphmem`` runs it for an older tree's ``unison`` (``build/base``) too.
 """
 
 from __future__ import annotations
