@@ -33,6 +33,8 @@
 #                                     # (0.6B: its first step) and multiturn.py (staggered, the default hold)
 #   bash bench/speed_gpu.sh graphmem  # bench/graph_memory.py: the memory the decode and row graphs hold after a run
 #                                     # through every batch size, and a decode step at 256 and 64 (0.6B)
+#   bash bench/speed_gpu.sh idle      # bench/gpu_idle.py: the device's idle time in engine.py's run at 256 and 64
+#                                     # (0.6B), prefill and decode phases apart: is the decode at 256 host-bound?
 #   bash bench/speed_gpu.sh multiturn # bench/multiturn.py at 0.6B, staggered turns, engine.prefill_wait_steps 16,
 #                                     # 64 (the default) and 128 (speed/multiturn ran 0, 16, 64), then
 #                                     # bench/loop_overlap.py (the episode loop on the overlapped engine) with the
@@ -177,6 +179,11 @@ PY
       done
       [[ "${ROPE_PARTS:-sampler}" == *sampler* ]] && timeout 90 python3 bench/sampler_parts.py \
         --json "$out/sampler_parts.json" | tail -24 ;;
+    idle)  # where the device waits in engine.py's run (bench/gpu_idle.py: torch.profiler's device intervals), at
+           # IDLE_CONCURRENCY (default "256 64"): prefill and decode phases' idle time and gaps
+      for c in ${IDLE_CONCURRENCY:-256 64}; do
+        timeout 150 python3 bench/gpu_idle.py --concurrency $c --json "$out/gpu_idle_$c.json" 2>&1 | quiet 3
+      done ;;
     multiturn)
       timeout 300 python3 bench/multiturn.py --device cuda --shape qwen3-0.6b --n 64 --prompt 256 --turns 4 --new 64 \
         --appended 32 --stagger --waits ${WAITS:-16,64,128} --json "$out/multiturn_staggered.json" > "$out/multiturn.out" 2>&1
