@@ -22,10 +22,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from engine import build, prompts_for  # noqa: E402
+from train_timeline import GPU_CATEGORIES, merged  # noqa: E402
 
 from unison.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-
-DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def run(engine: Engine, prompts, new: int, t0: float | None = None) -> tuple[float, list[tuple[float, int, int]]]:
@@ -50,22 +49,15 @@ def busy_intervals(trace: str) -> list[tuple[float, float]]:
     """The device's activity intervals (us), merged."""
     with open(trace) as f:
         events = json.load(f)["traceEvents"]
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
-                   if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS)
-    merged: list[list[float]] = []
-    for start, end in spans:
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
+    return merged([(e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                   if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES])
 
 
-def idle_between(merged: list[tuple[float, float]], lo: float, hi: float) -> dict:
+def idle_between(busy_spans: list[tuple[float, float]], lo: float, hi: float) -> dict:
     """Busy and idle microseconds within [lo, hi], and the idle gaps by length."""
     busy, gaps = 0.0, []
     last = lo
-    for a, b in merged:
+    for a, b in busy_spans:
         a, b = max(a, lo), min(b, hi)
         if b <= a:
             continue
@@ -108,15 +100,15 @@ def main():
         profiled_s, steps = run(engine, profiled_prompts, args.new, t0)
     trace = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(trace)
-    merged = busy_intervals(trace)
-    t0 = merged[0][0]  # the host's t0 on the trace's clock (to the marker's launch latency, a few us)
-    merged = merged[1:]
+    busy = busy_intervals(trace)
+    t0 = busy[0][0]  # the host's t0 on the trace's clock (to the marker's launch latency, a few us)
+    busy = busy[1:]
     first_decode = next(i for i, s in enumerate(steps) if s[2] and s[1] <= args.concurrency)
     lo, mid, hi = t0 + 1e6 * steps[0][0], t0 + 1e6 * steps[first_decode][0], t0 + 1e6 * profiled_s
     result = {"shape": args.shape, "concurrency": args.concurrency, "prompt": args.prompt, "new": args.new,
               "plain_s": plain_s, "plain_tokens_per_s": args.concurrency * args.new / plain_s,
               "profiled_s": profiled_s, "steps": len(steps), "prefill_steps": first_decode,
-              "prefill": idle_between(merged, lo, mid), "decode": idle_between(merged, mid, hi)}
+              "prefill": idle_between(busy, lo, mid), "decode": idle_between(busy, mid, hi)}
     result["decode"]["idle_us_per_step"] = 1e3 * result["decode"]["idle_ms"] / (len(steps) - first_decode)
     print(json.dumps({k: result[k] for k in ("plain_s", "plain_tokens_per_s", "profiled_s", "steps", "prefill_steps")}))
     for phase in ("prefill", "decode"):
