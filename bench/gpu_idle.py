@@ -33,14 +33,14 @@ def run(engine: Engine, prompts, new: int, t0: float | None = None) -> tuple[flo
     t0 = time.perf_counter() if t0 is None else t0
     for prompt in prompts:
         engine.submit(prompt, SamplingParams(max_new_tokens=new, temperature=1.0, stop_token_ids=()))
-    steps = []
-    while engine.num_unfinished:
-        before = engine.stats()
+    steps, before = [], engine.stats()
+    while engine.num_unfinished:  # one stats() a step: the host time this measures is what the engine spends
         t = time.perf_counter()
         engine.step()
         after = engine.stats()
         steps.append((t - t0, after["tokens_computed"] - before["tokens_computed"],
                       after["graph_steps"] - before["graph_steps"]))
+        before = after
     torch.cuda.synchronize()
     return time.perf_counter() - t0, steps
 
