@@ -5,7 +5,7 @@
 
 A step: ``--prompts`` prompts x G=8 samples of ``--new`` tokens (64-token random prompts, random bf16 weights of a
 Qwen3 shape saved as a real checkpoint with a word-level tokenizer, temperature 1, so completions run to the cap),
-random rewards, one AdamW step at lr 1e-6. unison runs ``unison.train`` with its defaults for everything else; TRL
+random rewards (``--reward math``: math-verify's), one AdamW step at lr 1e-6. unison runs ``unison.train`` with its defaults for everything else; TRL
 as ``trl_grpo.py`` describes. Each system runs in its own process on the shape's GPU, one after the other, so
 neither sees the other's memory; with several GPUs the shapes run side by side, one GPU each.
 
@@ -130,15 +130,21 @@ class DevicePeak:
 
 
 def run_unison(checkpoint: str, prompts: list[str], new: int, steps: int, out_dir: str,
-               overrides: list[str]) -> dict:
+               overrides: list[str], reward: str = "random") -> dict:
+    """``reward``: "random", or "math" (``reward_cost.realistic_math``: math-verify on realistic completions, what
+    a verifier costs the host)."""
     from unison.config import load_config
     from unison.tasks import Task
     from unison.train.config import TrainConfig
     from unison.train.loop import train
 
     rng = random.Random(0)
-    task = Task("random-prompts", [{"prompt": p, "answer": ""} for p in prompts],
-                [(lambda prompts, completions, **_: [rng.random() for _ in completions], 1.0)])
+    if reward == "math":
+        from reward_cost import realistic_math as reward_fn
+    else:
+        def reward_fn(prompts, completions, **_):
+            return [rng.random() for _ in completions]
+    task = Task("random-prompts", [{"prompt": p, "answer": ""} for p in prompts], [(reward_fn, 1.0)])
     n = len(prompts) * GROUP
     cfg = load_config(TrainConfig, None, [
         f"--output_dir={out_dir}", f"--max_steps={steps}", "--log.report_to=[none]", "--overwrite=true",
@@ -166,6 +172,7 @@ def run_unison(checkpoint: str, prompts: list[str], new: int, steps: int, out_di
             "mismatch_logprob_diff_mean": mean("mismatch/logprob_diff_mean"),
             "mismatch_logprob_diff_max": max(r["mismatch/logprob_diff_max"] for r in rows),
             "step_s": [r["time/step_s"] for r in rows], "save_error": save_error,
+            "reward_wait_s": mean("rollout/reward_wait_s"),
             "every_step": [{k: r.get(f"time/{k}") for k in ("step_s", "rollout_s", "train_s")} for r in every]}
 
 
@@ -195,10 +202,13 @@ def worker(args) -> None:
     if device == "cuda":  # the CUDA context, outside the measured peak for both systems
         torch.zeros(1, device=device)
         torch.cuda.empty_cache()
-    run = run_unison if system == "unison" else run_trl_here
     with DevicePeak() as peak, tempfile.TemporaryDirectory() as out_dir:
-        steps = args.steps if system == "unison" else args.trl_steps
-        result |= run(checkpoint, prompts, args.new, steps, out_dir, args.unison_set) | {"steps": steps}
+        if system == "unison":
+            result |= run_unison(checkpoint, prompts, args.new, args.steps, out_dir, args.unison_set, args.reward)
+            result |= {"steps": args.steps, "reward": args.reward}
+        else:
+            result |= run_trl_here(checkpoint, prompts, args.new, args.trl_steps, out_dir, args.unison_set)
+            result |= {"steps": args.trl_steps}
     samples = args.prompts * GROUP
     result.update(peak_gib=peak.gib, sync_s=0.0,
                   other_s=result["s_per_step"] - result["generate_s"] - result["train_s"],
@@ -238,7 +248,8 @@ def run_shape(shape: str, gpu: int | None, args, results: dict, save) -> None:
         out = os.path.join(args.workdir, f"{shape.replace(':', '_')}.{system}.json")
         cmd = [sys.executable, __file__, "--worker", system, shape, checkpoint, "--worker-out", out,
                "--prompts", str(args.prompts), "--new", str(args.new), "--steps", str(args.steps),
-               "--trl-steps", str(args.trl_steps), *(f"--unison-set={o}" for o in args.unison_set)]
+               "--trl-steps", str(args.trl_steps), "--reward", args.reward,
+               *(f"--unison-set={o}" for o in args.unison_set)]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         print(f"[{shape} {system}] exit {proc.returncode} after {time.perf_counter() - t0:.0f} s", flush=True)
@@ -271,6 +282,8 @@ def main():
     p.add_argument("--trl-steps", type=int, default=2, help="TRL steps (the first is warm-up)")
     p.add_argument("--unison-set", action="append", default=[], metavar="KEY=VALUE",
                    help="a unison train setting other than its default (repeatable), e.g. step.max_tokens_per_row=8192")
+    p.add_argument("--reward", default="random", choices=["random", "math"],
+                   help="unison's rewards: random, or math-verify on realistic completions (reward_cost.py)")
     p.add_argument("--workdir", default="/tmp/grpo_step")
     p.add_argument("--json", default=None)
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
@@ -286,7 +299,7 @@ def main():
     results: dict = {}
     out = {"device": torch.cuda.get_device_name() if gpus else "cpu",
            "workload": f"{args.prompts} prompts x G={GROUP}, {PROMPT_TOKENS}-token prompts, {args.new} new tokens, "
-                       f"lr {LR:g}, random bf16 weights and rewards",
+                       f"lr {LR:g}, random bf16 weights, rewards {args.reward}",
            "vllm": "not run: vLLM-based TRL setups need vLLM, which this machine cannot install or reach",
            "workloads": []}
     lock = threading.Lock()

@@ -16,6 +16,7 @@ import json
 import random
 import statistics
 import time
+import zlib
 
 from unison.tasks.rewards import MathReward
 
@@ -33,6 +34,32 @@ def completions(n: int, seed: int) -> tuple[list[str], list[str], list[str]]:
     kinds = [list(KINDS)[i % len(KINDS)] for i in range(n)]
     texts = [WORKING + KINDS[k](rng.randint(1, 1000)) for k in kinds]
     return texts, [str(rng.randint(1, 1000)) for _ in range(n)], kinds
+
+
+_RNG = random.Random(1000)
+# Realistic completions standing for a random model's word salad, each with its gold answer: a boxed integer's own
+# answer half the time (a right answer: rewards with spread), else another.
+STAND_INS = [(WORKING + KINDS[kind](a), str(a if i % 8 < 4 else a + 1))
+             for i, (kind, a) in enumerate((list(KINDS)[i % len(KINDS)], _RNG.randint(1, 1000)) for i in range(256))]
+_MATH = MathReward()
+
+
+_KNOWN: list[float] = []  # realistic_math's value of each stand-in, for costless
+
+
+def realistic_math(prompts, completions, **_):
+    """math-verify on one of ``STAND_INS`` for each completion (picked by its hash), against its gold: what scoring
+    a real model's completion costs, where the model is a random one (``bench/reward_overlap.py``)."""
+    picked = [STAND_INS[zlib.crc32(c.encode()) % len(STAND_INS)] for c in completions]
+    return _MATH(prompts, [t for t, _ in picked], answer=[g for _, g in picked])
+
+
+def costless(prompts, completions, **_):
+    """``realistic_math``'s values at no cost (each stand-in scored once, at the first call): the same batches, the
+    floor of bench/reward_overlap.py."""
+    if not _KNOWN:
+        _KNOWN.extend(_MATH([""] * len(STAND_INS), [t for t, _ in STAND_INS], answer=[g for _, g in STAND_INS]))
+    return [_KNOWN[zlib.crc32(c.encode()) % len(STAND_INS)] for c in completions]
 
 
 def main():

@@ -35,6 +35,8 @@
 #                                     # through every batch size, and a decode step at 256 and 64 (0.6B)
 #   bash bench/speed_gpu.sh idle      # bench/gpu_idle.py: the device's idle time in engine.py's run at 256 and 64
 #                                     # (0.6B), prefill and decode phases apart: is the decode at 256 host-bound?
+#   bash bench/speed_gpu.sh rewards   # bench/grpo_step.py (0.6B, unison): random rewards, then math-verify's
+#                                     # (reward_cost.realistic_math) inline and in REWARD_WORKERS (default 2) processes
 #   bash bench/speed_gpu.sh multiturn # bench/multiturn.py at 0.6B, staggered turns, engine.prefill_wait_steps 16,
 #                                     # 64 (the default) and 128 (speed/multiturn ran 0, 16, 64), then
 #                                     # bench/loop_overlap.py (the episode loop on the overlapped engine) with the
@@ -127,6 +129,13 @@ for mode in "${@:-profile}"; do
          python3 train_profile.py --shape $shape --rows 24576 --kernels on --json "$out/train_profile_$shape.json" 2>&1 \
            | grep "^optimizer alone"
        done) ;;
+    rewards)  # what a verifier costs a GRPO step on this host, and what reward workers give back
+      for run in "random 0" "math 0" "math ${REWARD_WORKERS:-2}"; do
+        read -r reward workers <<< "$run"
+        python3 bench/grpo_step.py --systems unison --shapes qwen3-0.6b --steps 5 --reward $reward \
+          --unison-set save_final=false --unison-set rollout.reward_workers=$workers \
+          --json "$out/grpo_step_${reward}_w$workers.json" --workdir /tmp/rewards 2>&1 | grep -A2 "^workload"
+      done ;;
     graphmem)  # what the captured graphs hold (bench/graph_memory.py, 0.6B, 256 requests); GRAPHMEM_BASE=1 runs
                # build/base's unison (an older tree, carried: see BASE below) first, in the same call
       for tree in ${GRAPHMEM_BASE:+$PWD/build/base} ""; do

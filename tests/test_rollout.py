@@ -13,7 +13,7 @@ from unison.engine import Engine, EngineConfig, SamplingParams
 from unison.rollout import remote
 from unison.rollout.advantage import group_advantages
 from unison.rollout.loop import RolloutConfig, RolloutLoop, encode_prompt
-from unison.rollout.rewards import RewardScorer
+from unison.rollout.rewards import RewardScorer, Scored
 
 
 def count_w7(prompts, completions, **_):
@@ -267,6 +267,9 @@ def test_no_batch_error_on_a_rank_that_does_not_score_points_to_the_one_that_doe
     class OtherRanksScores:  # what a tensor-parallel rank other than 0 gets: rank 0's results, none of its counts
         def score(self, prompts, completions, columns, completion_ids=None):
             return [(None, {})] * len(completions)
+
+        def submit(self, prompts, completions, columns, completion_ids=None):
+            return Scored(self.score(prompts, completions, columns, completion_ids))
 
         def missing_report(self):
             return None  # rank 0 holds the report

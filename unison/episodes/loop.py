@@ -385,8 +385,10 @@ class MultiTurnRolloutLoop(RolloutLoop):
         if self.environment_factory is not None:
             columns["environments"] = [ep.environment for _, ep in ended]
         prompts = [self.in_engine[rid].prompt_text for rid, _ in ended]
+        t = time.perf_counter()
         scored = self.scorer.score(prompts, [ep.last_text for _, ep in ended], columns,
                                    [ep.last_ids for _, ep in ended])
+        self.reward_wait += time.perf_counter() - t
         for (rid, ep), (reward, parts) in zip(ended, scored, strict=True):
             self.in_engine[rid].landed.append((ep, reward))
             self._record(len(ep.tokens), ep.finish_reason, reward, parts)

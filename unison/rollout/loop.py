@@ -1,8 +1,10 @@
 """The rollout loop: prompts in, scored samples with group advantages out.
 
 It keeps up to ``max_concurrent_rollouts`` samples in flight in the engine, scores each completion as it lands,
-computes a group's advantages when its last sample lands, and hands out batches of ``samples_per_step``. The
-caller steps it between training steps; nothing runs in the background (DESIGN.md: one host thread).
+computes a group's advantages when its last sample is scored, and hands out batches of ``samples_per_step``. The
+caller steps it between training steps; nothing runs in the background (DESIGN.md: one host thread), except the
+reward functions where ``reward_workers`` gives them processes of their own: the loop then steps the engine while
+they score, and files their results in the order the completions landed.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -21,7 +23,7 @@ from ..engine.seeding import group_seed
 from ..engine.stop import completion_texts
 from ..vision.messages import chat_messages
 from .advantage import group_advantages
-from .rewards import RewardFn, RewardScorer, Scorer
+from .rewards import RewardFn, RewardScorer, Scored, Scorer, Scoring
 from .sample import Sample
 
 if TYPE_CHECKING:
@@ -59,6 +61,14 @@ class RolloutConfig:
     """Samples sampled more than this many weight versions ago are dropped."""
     advantage_eps: float = 1e-6
     """Added to the group's reward std in (r - mean) / (std + eps)."""
+    reward_workers: int = 0
+    """Worker processes that run the reward functions while the engine generates (0: they run on the loop's thread,
+    between engine steps, while the GPU waits). A verifier such as math-verify takes ~3 ms of a CPU core a
+    completion (bench/reward_cost.py): ~0.2 s of a 64-sample step. The functions must pickle and live in an
+    importable module (those defined in the script that runs score inline, with a warning)."""
+    reward_timeout_s: float = 300.0
+    """With reward_workers: a worker that takes longer on one engine step's completions is stopped and their
+    rewards counted as failures (inline, a hung verifier hangs the run)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """TRL's: 'group' divides each group's centred rewards by the group's std; 'batch' by the std of the trained
     batch's rewards (every replica's; PPO-Lite); 'none' keeps them centred only (Dr. GRPO). The population std plus
@@ -75,6 +85,10 @@ class RolloutConfig:
                              f"group ({self.group_size})")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.reward_workers < 0:
+            raise ValueError(f"reward_workers must be >= 0, got {self.reward_workers}")
+        if not self.reward_timeout_s > 0:
+            raise ValueError(f"reward_timeout_s must be > 0, got {self.reward_timeout_s}")
         if self.scale_rewards not in ("group", "batch", "none"):
             raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {self.scale_rewards!r}")
         self.sampling_params()  # validates the sampling fields
@@ -113,7 +127,7 @@ class RolloutLoop:
         # The trainer's packed row: a sample (prompt and completion) never outgrows it. A longer prompt's completion
         # is cut short (finish "length"); a prompt that fills the row is skipped and counted.
         self.max_sample_tokens = max_sample_tokens
-        self.scorer = scorer or RewardScorer(reward_fns)
+        self.scorer = scorer or RewardScorer(reward_fns, cfg.reward_workers, cfg.reward_timeout_s)
         self.agreement = agreement
         self.params = cfg.sampling_params(n=cfg.group_size, stop_token_ids=stop_token_ids)
         self.rng = random.Random(seed)
@@ -123,12 +137,16 @@ class RolloutLoop:
         self.order: list[int] = []
         self.epoch = 0
         self.in_engine: dict[str, _Group] = {}  # request id (as submit returned it) -> its group
+        # What engine steps finished and the scorer has yet to score, in the order they landed.
+        self.scoring: deque[tuple[list[Completion], list[_Group], list[str], Scoring]] = deque()
         self.ready: list[Sample] = []
         self.counts = Counter()
         self.window: dict[str, list[float]] = {"reward": [], "length": [], "truncated": []}
         self.window_parts: dict[str, list[float]] = {}
         self.gen_tokens = 0
         self.gen_time = 0.0
+        self.unscored = 0  # completions in self.scoring
+        self.reward_wait = 0.0  # seconds the loop spent scoring, or waiting for the reward workers
 
     def next_batch(self, trainer_version: int) -> tuple[list[Sample], dict[str, float]]:
         """Step the engine until ``samples_per_step`` fresh scored samples are ready; return them and metrics.
@@ -138,14 +156,21 @@ class RolloutLoop:
         t0 = time.perf_counter()
         start_epoch, engine_steps = self.epoch, 0
         while True:
+            stuck = self.epoch > start_epoch + 2
+            if stuck:  # what is still being scored counts before the loop calls itself stuck
+                self._file_scored(behind=0)
             self._drop_stale(trainer_version)
-            take = self._take(self.epoch > start_epoch + 2, engine_steps)
+            take = self._take(stuck, engine_steps)
             if take is not None:
                 break
             self._fill()
+            # Reward workers that fall behind by more than the engine holds: wait for them (the engine would
+            # otherwise run through the prompts ahead of the rewards).
+            self._file_scored(behind=self.cfg.max_concurrent_rollouts)
             t = time.perf_counter()
-            self._land(self.engine.step())
+            completions = self.engine.step()
             self.gen_time += time.perf_counter() - t
+            self._land(completions)
             engine_steps += 1
         batch, self.ready = self.ready[:take], self.ready[take:]
         metrics = self._metrics(batch, trainer_version, time.perf_counter() - t0)
@@ -253,21 +278,39 @@ class RolloutLoop:
         self._land([c for c in completions if c.request_id in self.in_engine])
 
     def _land(self, completions: list[Completion]) -> None:
-        """Score what one engine step finished (in one call: one collective under tensor parallelism), then file
-        each completion with its group."""
-        if not completions:  # most engine steps finish none
-            return
-        finished = [c for c in completions if c.finish_reason != "abort" and c.token_ids]
-        rows = [self.in_engine[c.request_id].row for c in finished]
-        keys = dict.fromkeys(k for row in rows for k in row if k != "prompt")
-        columns = {k: [row.get(k) for row in rows] for k in keys}
-        texts = completion_texts(self.tokenizer, finished)  # cut before a stop string
-        prompts = [self.in_engine[c.request_id].prompt_text for c in finished]
-        ids = [list(c.token_ids) for c in finished]
-        scored = self.scorer.score(prompts, texts, columns, ids) if finished else []
-        scores = dict(zip((c.request_id for c in finished), scored, strict=True))
-        for completion in completions:
-            group = self.in_engine.pop(completion.request_id)
+        """Submit what one engine step finished for scoring (in one call: one collective under tensor parallelism),
+        then file each scored completion with its group, in the order they landed."""
+        if completions:  # most engine steps finish none
+            groups = [self.in_engine.pop(c.request_id) for c in completions]  # out of the engine: room to fill
+            finished = [(c, g) for c, g in zip(completions, groups, strict=True)
+                        if c.finish_reason != "abort" and c.token_ids]
+            rows = [g.row for _, g in finished]
+            keys = dict.fromkeys(k for row in rows for k in row if k != "prompt")
+            columns = {k: [row.get(k) for row in rows] for k in keys}
+            texts = completion_texts(self.tokenizer, [c for c, _ in finished])  # cut before a stop string
+            t = time.perf_counter()
+            scoring = self.scorer.submit([g.prompt_text for _, g in finished], texts, columns,
+                                         [list(c.token_ids) for c, _ in finished]) if finished else Scored([])
+            self.reward_wait += time.perf_counter() - t
+            self.scoring.append((completions, groups, [c.request_id for c, _ in finished], scoring))
+            self.unscored += len(completions)
+            self.gen_tokens += sum(len(c.token_ids) for c, _ in finished)
+        self._file_scored()
+
+    def _file_scored(self, behind: int | None = None) -> None:
+        """File the engine steps whose completions are scored, oldest first; with ``behind``, first wait until no
+        more than that many completions are still being scored."""
+        while self.scoring and (self.scoring[0][3].done() or (behind is not None and self.unscored > behind)):
+            entry = self.scoring.popleft()
+            self.unscored -= len(entry[0])
+            self._file(*entry)
+
+    def _file(self, completions: list[Completion], groups: list[_Group], scored_ids: list[str],
+              scoring: Scoring) -> None:
+        t = time.perf_counter()
+        scores = dict(zip(scored_ids, scoring.result(), strict=True))
+        self.reward_wait += time.perf_counter() - t
+        for completion, group in zip(completions, groups, strict=True):
             group.pending -= 1
             if completion.request_id not in scores:  # aborted, or finished without a token
                 self.counts["aborted"] += 1
@@ -275,7 +318,6 @@ class RolloutLoop:
                 reward, parts = scores[completion.request_id]
                 group.landed.append((completion, reward))
                 self._record(len(completion.token_ids), completion.finish_reason, reward, parts)
-                self.gen_tokens += len(completion.token_ids)
             if group.pending == 0:
                 self._close(group, completion.group_id)
 
@@ -319,6 +361,7 @@ class RolloutLoop:
             "completion/truncated_frac": mean(self.window["truncated"]),
             "rollout/wait_s": wait_s,
             "rollout/tokens_per_s": self.gen_tokens / self.gen_time if self.gen_time else 0.0,
+            "rollout/reward_wait_s": self.reward_wait,
             "rollout/staleness_mean": mean(staleness),
             "rollout/staleness_max": float(max(staleness, default=0)),
             "rollout/epoch": float(self.epoch),
@@ -331,7 +374,7 @@ class RolloutLoop:
             m[f"reward/failed/{name}"] = float(self.scorer.missing[name])
         self.window = {k: [] for k in self.window}
         self.window_parts = {}
-        self.gen_tokens, self.gen_time = 0, 0.0
+        self.gen_tokens, self.gen_time, self.reward_wait = 0, 0.0, 0.0
         return m
 
 

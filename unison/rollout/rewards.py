@@ -47,6 +47,42 @@ SUMMARY_EVERY_S = 60.0
 every completion of a long run (thousands of lines a step, each of them alike)."""
 
 
+class Scoring(Protocol):
+    """A submitted call's results: ready when ``done()``; ``result()`` waits for them."""
+
+    def done(self) -> bool: ...
+
+    def result(self) -> list[tuple[float | None, dict[str, float]]]: ...
+
+
+class Scored:
+    """A ``Scoring`` scored when it was submitted."""
+
+    def __init__(self, results: list[tuple[float | None, dict[str, float]]]):
+        self.results = results
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> list[tuple[float | None, dict[str, float]]]:
+        return self.results
+
+
+class Then:
+    """``scoring``'s results through ``fn`` (once, when first asked for)."""
+
+    def __init__(self, scoring: Scoring, fn):
+        self.scoring, self.fn, self._result = scoring, fn, None
+
+    def done(self) -> bool:
+        return self._result is not None or self.scoring.done()
+
+    def result(self):
+        if self._result is None:
+            self._result = self.fn(self.scoring.result())
+        return self._result
+
+
 class Scorer(Protocol):
     """What the rollout loop scores with: a ``RewardScorer``, or one that runs it elsewhere and shares the results
     (``unison.dist.tensor_parallel.BroadcastScorer``: rank 0 scores for its tensor-parallel ranks)."""
@@ -60,9 +96,16 @@ class Scorer(Protocol):
               completion_ids: list[list[int]] | None = None) -> list[tuple[float | None, dict[str, float]]]:
         """Per completion: the weighted reward (None where none can be given) and each function's value."""
 
+    def submit(self, prompts: list, completions: list[str], columns: dict[str, list],
+               completion_ids: list[list[int]] | None = None) -> Scoring:
+        """``score``'s results, possibly later (reward workers): the rollout loop steps the engine meanwhile."""
+
     def missing_report(self) -> str | None:
         """Why completions got no reward so far, "" if every one got one (``RewardScorer.missing_report``); None
         where another process scores, whose report it is."""
+
+    def close(self) -> None:
+        """Stops what it runs beside the loop (reward workers); scoring ends with it."""
 
 
 class WrappedScorer:
@@ -86,6 +129,13 @@ class WrappedScorer:
     def score(self, prompts, completions, columns, completion_ids=None):
         return self.inner.score(prompts, completions, columns, completion_ids)
 
+    def submit(self, prompts, completions, columns, completion_ids=None) -> Scoring:
+        """Scored now through ``score`` (a subclass's; a broadcast is a collective every rank takes at once)."""
+        return Scored(self.score(prompts, completions, columns, completion_ids))
+
+    def close(self) -> None:
+        self.inner.close()
+
 
 @dataclass(frozen=True)
 class _Failed:
@@ -93,11 +143,16 @@ class _Failed:
 
 
 class RewardScorer:
-    def __init__(self, reward_fns: Sequence[tuple[RewardFn, float]]):
+    """Scores with ``reward_fns``: here, or with ``workers`` > 0 in that many worker processes
+    (``unison.rollout.reward_workers``; a worker's batch that takes longer than ``timeout_s`` fails)."""
+
+    def __init__(self, reward_fns: Sequence[tuple[RewardFn, float]], workers: int = 0, timeout_s: float = 300.0):
         if not reward_fns:
             raise ValueError("at least one reward function is needed")
         self.reward_fns = list(reward_fns)
         self.names = _unique([getattr(fn, "__name__", type(fn).__name__) for fn, _ in self.reward_fns])
+        self.workers = _workers([fn for fn, _ in self.reward_fns], workers, timeout_s, self._all_values) \
+            if workers else None
         self.missing = Counter()  # reward function name -> completions it failed to score
         self.last_failure: dict[str, str] = {}  # reward function name -> why it failed last
         self.scored = 0  # completions scored so far
@@ -110,13 +165,30 @@ class RewardScorer:
         """Per completion: the weighted reward of the functions that apply (None where one failed or none
         applies) and each applying function's value. ``prompts[i]`` is a string or a list of messages;
         ``completion_ids[i]`` the token ids of ``completions[i]`` (None: not known, passed as None)."""
+        return self.submit(prompts, completions, columns, completion_ids).result()
+
+    def submit(self, prompts: list, completions: list[str], columns: dict[str, list],
+               completion_ids: list[list[int]] | None = None) -> Scoring:
+        """``score``'s results: scored here now, or by the workers (``done()`` once they are back)."""
         n = len(completions)
+        call = _Call(list(prompts), _as_trl_completions(prompts, completions),
+                     list(completion_ids) if completion_ids is not None else [None] * n, columns)
+        if self.workers is not None and n:
+            return self.workers.submit(call, self._tally)
+        return Scored(self._tally(self._all_values(call)))
+
+    def close(self) -> None:
+        """Stops the workers (if any; they also stop with this object, or when the process exits)."""
+        if self.workers is not None:
+            self.workers.close()
+
+    def _tally(self, all_values: list[list[float | None | _Failed]]) -> list[tuple[float | None, dict[str, float]]]:
+        """The weighted totals of each function's values; failures counted and logged."""
+        n = len(all_values[0])
         self.scored += n
         totals: list[float | None] = [0.0] * n
         parts: list[dict[str, float]] = [{} for _ in range(n)]
-        call = _Call(list(prompts), _as_trl_completions(prompts, completions),
-                     list(completion_ids) if completion_ids is not None else [None] * n, columns)
-        for name, (_, weight), values in zip(self.names, self.reward_fns, self._all_values(call), strict=True):
+        for name, (_, weight), values in zip(self.names, self.reward_fns, all_values, strict=True):
             for i, v in enumerate(values):
                 if v is None:  # does not apply to this completion
                     continue
@@ -201,6 +273,24 @@ class RewardScorer:
             self._logged_at[name] = now
 
 
+def _workers(fns: list, n: int, timeout_s: float, inline):
+    """The worker processes for ``fns``, or None (inline scoring, with a warning saying why) where a function
+    cannot travel to them."""
+    from .reward_workers import RewardWorkers
+    local = [getattr(fn, "__name__", type(fn).__name__) for fn in fns
+             if getattr(fn, "__module__", None) == "__main__" or type(fn).__module__ == "__main__"]
+    why = f"{', '.join(local)} {'is' if len(local) == 1 else 'are'} defined in the script that runs " \
+          "(__main__), which a worker does not import" if local else None
+    if why is None:
+        try:
+            return RewardWorkers(fns, n, timeout_s, inline)
+        except Exception as e:  # pickle's errors vary: PicklingError, TypeError, AttributeError
+            why = f"they do not pickle ({type(e).__name__}: {e})"
+    log.warning("reward functions score inline, not in %d worker processes: %s; define them in an importable "
+                "module to score in workers", n, why)
+    return None
+
+
 def _unique(names: list[str]) -> list[str]:
     """``names`` with a repeated one numbered (``accuracy``, ``accuracy_2``): each function's value is kept apart."""
     seen: Counter = Counter()
@@ -231,8 +321,14 @@ class _Call:
         return fn(self.prompts, self.completions, **columns)
 
     def split(self) -> list[_Call]:
-        return [_Call(self.prompts[i:i + 1], self.completions[i:i + 1], self.completion_ids[i:i + 1],
-                      {k: v[i:i + 1] for k, v in self.columns.items()}) for i in range(len(self.completions))]
+        return [self.slice(i, i + 1) for i in range(len(self.completions))]
+
+    def slice(self, start: int, stop: int) -> _Call:
+        return _Call(self.prompts[start:stop], self.completions[start:stop], self.completion_ids[start:stop],
+                     {k: v[start:stop] for k, v in self.columns.items()})
+
+    def fields(self) -> tuple:
+        return self.prompts, self.completions, self.completion_ids, self.columns
 
 
 def _as_trl_completions(prompts: Sequence, completions: Sequence[str]) -> list:

@@ -118,7 +118,12 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
         lambda lent: _memory_plan(cfg, model, pool, lent, longest_prompt, merged, states))
     _log_plan(cfg, plan, row_tokens, lend, longest_prompt)
     stop_ids = stop_token_ids(tokenizer, model)
-    scorer = RewardScorer(task.reward_fns)
+    workers = cfg.rollout.reward_workers
+    if workers and task.environment_factory is not None:  # the rewards read the live environments: here
+        log.warning("rollout.reward_workers=%d: %s's rewards read its environments, which live in this process: "
+                    "they score inline", workers, task.name)
+        workers = 0
+    scorer = RewardScorer(task.reward_fns, workers, cfg.rollout.reward_timeout_s)
     scorer = BroadcastScorer(scorer, topology.tp) if topology.tp is not None else scorer
     if cfg.log.completions_every and topology.is_main:
         scorer = RecordingScorer(scorer, cfg.log.completions_per_log)

@@ -128,6 +128,7 @@ def _finish(run: Run) -> None:
             run.engine.runner.reset()  # the decode graphs hold the communicators' kernels: freed before them
         dist.destroy_process_group()
         log.info("rank %d left the process group", topology.rank)
+    run.rollout.scorer.close()  # its reward workers, if any
     run.writer.plot()
     run.writer.close()
     if topology.is_main:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from ..rollout.rewards import WrappedScorer
+from ..rollout.rewards import Then, WrappedScorer
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,13 @@ class RecordingScorer(WrappedScorer):
         self.recent: deque[dict] = deque(maxlen=keep)
 
     def score(self, prompts, completions, columns, completion_ids=None):
-        scored = self.inner.score(prompts, completions, columns, completion_ids)
+        return self.submit(prompts, completions, columns, completion_ids).result()
+
+    def submit(self, prompts, completions, columns, completion_ids=None):
+        return Then(self.inner.submit(prompts, completions, columns, completion_ids),
+                    lambda scored: self._record(prompts, completions, columns, scored))
+
+    def _record(self, prompts, completions, columns, scored):
         for i, (prompt, completion, (reward, parts)) in enumerate(zip(prompts, completions, scored, strict=True)):
             record = {"prompt": prompt, "completion": completion, "reward": reward, **{f"reward/{k}": v
                                                                                      for k, v in parts.items()}}

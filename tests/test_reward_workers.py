@@ -1,0 +1,115 @@
+"""Reward functions in worker processes (rollout.reward_workers): the same rewards as inline, failures of a
+worker (an exit, a hang, functions that do not load there) counted and never fatal, and the rollout loop's batches
+unchanged."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import worker_rewards as wr
+from test_rollout import make_loop
+
+from unison.rollout.rewards import RewardScorer
+from unison.train.reporting import RecordingScorer
+
+COMPLETIONS = [f"w7 {'w7 ' * i}x" for i in range(7)]
+PROMPTS = [f"p{i}" for i in range(7)]
+ANSWERS = {"answer": [str(i) for i in range(7)]}
+
+
+def test_workers_score_as_inline_split_over_processes():
+    fns = [(wr.count_w7, 1.0), (wr.length, 0.5), (wr.pid, 0.0)]
+    inline = RewardScorer(fns).score(PROMPTS, COMPLETIONS, ANSWERS)
+    scorer = RewardScorer(fns, workers=3)
+    try:
+        pending = scorer.submit(PROMPTS, COMPLETIONS, ANSWERS)
+        pooled = pending.result()
+        assert pending.done()
+        assert [(r, {k: v for k, v in p.items() if k != "pid"}) for r, p in pooled] == \
+            [(r, {k: v for k, v in p.items() if k != "pid"}) for r, p in inline]
+        pids = [p["pid"] for _, p in pooled]
+        assert len(set(pids)) == 3 and os.getpid() not in pids  # 7 completions in chunks of 2, 2 and 3
+        assert scorer.scored == 7 and not scorer.missing
+    finally:
+        scorer.close()
+    assert all(w is None for w in scorer.workers.slots)
+
+
+def test_a_worker_that_exits_costs_its_batch_only():
+    scorer = RewardScorer([(wr.exits_on_boom, 1.0)], workers=1)
+    try:
+        assert scorer.score(["p"], ["fine"], {}) == [(1.0, {"exits_on_boom": 1.0})]
+        assert scorer.score(["p", "p"], ["boom", "fine"], {}) == [(None, {}), (None, {})]
+        assert scorer.missing["exits_on_boom"] == 2
+        assert "exited (code 3) while scoring" in scorer.missing_report()
+        assert scorer.score(["p"], ["fine again"], {}) == [(1.0, {"exits_on_boom": 1.0})]  # a new worker
+        assert scorer.workers.restarts == 1 and scorer.workers.broken is None
+    finally:
+        scorer.close()
+
+
+def test_a_hung_worker_is_stopped_after_the_timeout():
+    scorer = RewardScorer([(wr.hangs_on_slow, 1.0)], workers=2, timeout_s=3.0)
+    try:
+        slow = scorer.submit(["p"], ["slow"], {})
+        fast = scorer.submit(["p"], ["fast"], {})
+        assert fast.result() == [(1.0, {"hangs_on_slow": 1.0})]  # the other worker goes on meanwhile
+        assert not slow.done()
+        assert slow.result() == [(None, {})]
+        assert "took more than 3 s" in scorer.missing_report()
+        assert scorer.score(["p"], ["fast"], {}) == [(1.0, {"hangs_on_slow": 1.0})]
+    finally:
+        scorer.close()
+
+
+def test_functions_that_cannot_travel_score_inline(caplog, monkeypatch):
+    with caplog.at_level(logging.WARNING):
+        scorer = RewardScorer([(lambda prompts, completions, **_: [2.0] * len(completions), 1.0)], workers=2)
+    assert scorer.workers is None and "do not pickle" in caplog.text
+    assert scorer.score(["p"], ["c"], {})[0][0] == 2.0
+    # Functions that pickle here and do not load in a worker: the workers give up, the call is scored inline.
+    monkeypatch.setenv("WORKER_REWARDS_REFUSE", "1")
+    scorer = RewardScorer([(wr.count_w7, 1.0), (wr.pid, 0.0)], workers=1)
+    try:
+        with caplog.at_level(logging.WARNING):
+            scored = scorer.score(["p"], ["w7 w7"], {})
+        assert scored[0][0] == pytest.approx(2.02) and scored[0][1]["pid"] == os.getpid()
+        assert "could not load the reward functions" in scorer.workers.broken
+        assert "refuses to load in a reward worker" in caplog.text
+    finally:
+        scorer.close()
+
+
+def test_recording_scorer_records_when_the_workers_are_back():
+    scorer = RecordingScorer(RewardScorer([(wr.count_w7, 1.0)], workers=1), keep=4)
+    try:
+        pending = scorer.submit(["p"], ["w7"], {"answer": ["1"]})
+        assert pending.result()[0][0] == pytest.approx(1.01)
+        assert [(r["completion"], r["answer"], r["reward"]) for r in scorer.recent] == \
+            [("w7", "1", pending.result()[0][0])]
+    finally:
+        scorer.close()
+
+
+def test_the_loop_with_workers_trains_on_the_same_batch():
+    inline = make_loop([(wr.count_w7, 1.0)])
+    pooled = make_loop([(wr.count_w7, 1.0)], reward_workers=2)
+    try:
+        a, metrics_a = inline.next_batch(trainer_version=0)
+        b, metrics_b = pooled.next_batch(trainer_version=0)
+        assert [(s.completion_ids, s.reward, s.advantage) for s in a] == \
+            [(s.completion_ids, s.reward, s.advantage) for s in b]
+        assert metrics_b["rollout/engine_steps"] >= metrics_a["rollout/engine_steps"]
+        assert pooled.scorer.workers.broken is None and any(w is not None for w in pooled.scorer.workers.slots)
+    finally:
+        pooled.scorer.close()
+
+
+def test_reward_worker_settings_are_checked():
+    from unison.rollout.loop import RolloutConfig
+    with pytest.raises(ValueError, match="reward_workers must be >= 0"):
+        RolloutConfig(reward_workers=-1)
+    with pytest.raises(ValueError, match="reward_timeout_s must be > 0"):
+        RolloutConfig(reward_timeout_s=0)
