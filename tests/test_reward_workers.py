@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import pytest
 import worker_rewards as wr
@@ -78,6 +79,16 @@ def test_functions_that_cannot_travel_score_inline(caplog, monkeypatch):
         assert scored[0][0] == pytest.approx(2.02) and scored[0][1]["pid"] == os.getpid()
         assert "could not load the reward functions" in scorer.workers.broken
         assert "refuses to load in a reward worker" in caplog.text
+    finally:
+        scorer.close()
+
+
+def test_a_batch_whose_columns_do_not_pickle_scores_inline():
+    scorer = RewardScorer([(wr.pid, 1.0)], workers=1)
+    try:
+        lock = threading.Lock()  # a live object in a row (an environment's handle): it cannot travel
+        assert scorer.score(["p"], ["c"], {"handle": [lock]})[0][0] == os.getpid()
+        assert scorer.score(["p"], ["c"], {"handle": ["text"]})[0][0] != os.getpid()
     finally:
         scorer.close()
 

@@ -172,16 +172,23 @@ class RewardWorkers:
                 return
             w = self.slots[i]
             if w is None:
-                w = self.slots[i] = _Worker(self.payload)
+                try:
+                    w = self.slots[i] = _Worker(self.payload)
+                except OSError as e:  # no process to be had (out of file descriptors, memory)
+                    self._break(f"a reward worker could not start ({type(e).__name__}: {e})")
+                    self._dispatch()
+                    return
             if w.chunk is None:
                 chunk = self.waiting.popleft()
                 try:
-                    w.outbox.send(("score", chunk.call.fields()))
-                except (pickle.PicklingError, TypeError, AttributeError) as e:  # a column that does not pickle
+                    data = pickle.dumps(("score", chunk.call.fields()))
+                except Exception as e:  # a column that does not pickle (its objects' errors vary)
                     chunk.values = chunk.inline(chunk.call)
                     log.debug("scored a batch inline: its columns do not pickle (%s)", e)
                     continue
-                except (BrokenPipeError, OSError):
+                try:
+                    w.outbox.send_bytes(data)
+                except OSError:
                     self.waiting.appendleft(chunk)  # the worker is gone: the next progress() files its exit
                     continue
                 w.chunk, w.since = chunk, time.monotonic()
@@ -228,7 +235,12 @@ def _serve(read_fd: int, write_fd: int) -> None:
         outbox.send(("error", f"{type(e).__name__}: {e}"[:300]))
         return
     outbox.send(("ready",))
+    parent = os.getppid()
     while True:
+        if not inbox.poll(5.0):
+            if os.getppid() != parent:  # the trainer is gone (a process it forked may hold the pipe open)
+                return
+            continue
         try:
             msg = inbox.recv()
         except EOFError:
