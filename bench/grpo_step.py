@@ -5,9 +5,10 @@
 
 A step: ``--prompts`` prompts x G=8 samples of ``--new`` tokens (64-token random prompts, random bf16 weights of a
 Qwen3 shape saved as a real checkpoint with a word-level tokenizer, temperature 1, so completions run to the cap),
-random rewards (``--reward math``: math-verify's), one AdamW step at lr 1e-6. unison runs ``unison.train`` with its defaults for everything else; TRL
-as ``trl_grpo.py`` describes. Each system runs in its own process on the shape's GPU, one after the other, so
-neither sees the other's memory; with several GPUs the shapes run side by side, one GPU each.
+random rewards (``--reward math``: math-verify on realistic completions, ``reward_cost.py``), one AdamW step at lr
+1e-6. unison runs ``unison.train`` with its defaults for everything else; TRL as ``trl_grpo.py`` describes. Each
+system runs in its own process on the shape's GPU, one after the other, so neither sees the other's memory; with
+several GPUs the shapes run side by side, one GPU each.
 
 Reported per system: s/step (mean over the steps after the first), generated tokens/s (completion tokens over the
 generation seconds), trained tokens/s (prompt + completion tokens over the step), peak device memory (sampled from

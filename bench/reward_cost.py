@@ -50,8 +50,16 @@ _KNOWN: list[float] = []  # realistic_math's value of each stand-in, for costles
 def realistic_math(prompts, completions, **_):
     """math-verify on one of ``STAND_INS`` for each completion (picked by its hash), against its gold: what scoring
     a real model's completion costs, where the model is a random one (``bench/reward_overlap.py``)."""
-    picked = [STAND_INS[zlib.crc32(c.encode()) % len(STAND_INS)] for c in completions]
-    return _MATH(prompts, [t for t, _ in picked], answer=[g for _, g in picked])
+    keys = [zlib.crc32(c.encode()) for c in completions]
+    picked = [STAND_INS[k % len(STAND_INS)] for k in keys]
+    values = _MATH(prompts, [t for t, _ in picked], answer=[g for _, g in picked])
+    return [v + _spread(k) for v, k in zip(values, keys, strict=True)]
+
+
+def _spread(key: int) -> float:
+    """Under 1e-3 from the completion's hash: every group has rewards with spread, so no group is dropped and every
+    setting generates the same samples a step (the dropped groups' extra rounds would swamp what scoring costs)."""
+    return 1e-3 * (key % 997) / 997
 
 
 def costless(prompts, completions, **_):
@@ -59,7 +67,8 @@ def costless(prompts, completions, **_):
     floor of bench/reward_overlap.py."""
     if not _KNOWN:
         _KNOWN.extend(_MATH([""] * len(STAND_INS), [t for t, _ in STAND_INS], answer=[g for _, g in STAND_INS]))
-    return [_KNOWN[zlib.crc32(c.encode()) % len(STAND_INS)] for c in completions]
+    keys = [zlib.crc32(c.encode()) for c in completions]
+    return [_KNOWN[k % len(STAND_INS)] + _spread(k) for k in keys]
 
 
 def main():

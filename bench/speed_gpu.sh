@@ -37,6 +37,8 @@
 #                                     # (0.6B), prefill and decode phases apart: is the decode at 256 host-bound?
 #   bash bench/speed_gpu.sh rewards   # bench/grpo_step.py (0.6B, unison): random rewards, then math-verify's
 #                                     # (reward_cost.realistic_math) inline and in REWARD_WORKERS (default 2) processes
+#                                     # (carry math-verify==0.9.0 latex2sympy2_extended==1.11.0
+#                                     # antlr4-python3-runtime==4.13.2: the image lacks them)
 #   bash bench/speed_gpu.sh multiturn # bench/multiturn.py at 0.6B, staggered turns, engine.prefill_wait_steps 16,
 #                                     # 64 (the default) and 128 (speed/multiturn ran 0, 16, 64), then
 #                                     # bench/loop_overlap.py (the episode loop on the overlapped engine) with the
@@ -130,11 +132,13 @@ for mode in "${@:-profile}"; do
            | grep "^optimizer alone"
        done) ;;
     rewards)  # what a verifier costs a GRPO step on this host, and what reward workers give back
-      for run in "random 0" "math 0" "math ${REWARD_WORKERS:-2}"; do
-        read -r reward workers <<< "$run"
-        python3 bench/grpo_step.py --systems unison --shapes qwen3-0.6b --steps 5 --reward $reward \
+      i=0
+      for run in ${REWARD_RUNS:-"random,0" "math,0" "math,${REWARD_WORKERS:-2}"}; do
+        IFS=, read -r reward workers <<< "$run"
+        i=$((i + 1))
+        python3 bench/grpo_step.py --systems unison --shapes qwen3-0.6b --steps ${REWARD_STEPS:-5} --reward $reward \
           --unison-set save_final=false --unison-set rollout.reward_workers=$workers \
-          --json "$out/grpo_step_${reward}_w$workers.json" --workdir /tmp/rewards 2>&1 | grep -A2 "^workload"
+          --json "$out/grpo_step_${i}_${reward}_w$workers.json" --workdir /tmp/rewards 2>&1 | grep -A2 "^workload"
       done ;;
     graphmem)  # what the captured graphs hold (bench/graph_memory.py, 0.6B, 256 requests); GRAPHMEM_BASE=1 runs
                # build/base's unison (an older tree, carried: see BASE below) first, in the same call

@@ -351,14 +351,17 @@ class RolloutLoop:
     def _metrics(self, batch: list[Sample], trainer_version: int, wait_s: float) -> dict[str, float]:
         mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")
         staleness = [trainer_version - s.oldest_version for s in batch]
-        # Rewards of every completion scored since the last batch, zero-std groups included (the trained ones
-        # alone overstate how often the policy succeeds); the batch's own when nothing new landed.
-        rewards = self.window["reward"] or [s.reward for s in batch]
+        # Rewards and lengths of every completion scored since the last batch, zero-std groups included (the trained
+        # ones alone overstate how often the policy succeeds); the batch's own when nothing new landed (a batch of
+        # samples that were ready before it was asked for: reward workers let the engine run ahead).
+        landed = bool(self.window["length"])
         m = {
-            "reward/mean": mean(rewards),
+            "reward/mean": mean(self.window["reward"] or [s.reward for s in batch]),
             "reward/trained_mean": mean([s.reward for s in batch]),
-            "completion/length_mean": mean(self.window["length"]),
-            "completion/truncated_frac": mean(self.window["truncated"]),
+            "completion/length_mean": mean(self.window["length"] if landed else
+                                           [len(s.completion_ids) for s in batch]),
+            "completion/truncated_frac": mean(self.window["truncated"] if landed else
+                                              [float(s.finish_reason == "length") for s in batch]),
             "rollout/wait_s": wait_s,
             "rollout/tokens_per_s": self.gen_tokens / self.gen_time if self.gen_time else 0.0,
             "rollout/reward_wait_s": self.reward_wait,

@@ -72,7 +72,8 @@ class _Worker:
 
 class RewardWorkers:
     """``n`` worker processes that score calls for a ``RewardScorer``; ``inline(call)`` (the scorer's own
-    ``_all_values``) scores a chunk here where the workers cannot. Workers start when the first call comes."""
+    ``_all_values``) scores a chunk here where the workers cannot. The workers start at once, so that they have
+    loaded the functions (math-verify and SymPy take a second) by the time the first completions land."""
 
     def __init__(self, reward_fns: list, n: int, timeout_s: float, inline):
         if n < 1:
@@ -84,6 +85,7 @@ class RewardWorkers:
         self.broken: str | None = None  # why the workers cannot score: everything inline from then on
         self.restarts = 0
         self._finalizer = weakref.finalize(self, _stop_all, self.slots)
+        self._start()
 
     def submit(self, call, tally) -> Pending:
         """Score ``call`` in up to ``n`` chunks; ``tally(values)`` turns the values into the scorer's results."""
@@ -161,23 +163,26 @@ class RewardWorkers:
                 w.stop(kill=True)
                 self.slots[i] = None
 
+    def _start(self) -> None:
+        """A worker in each empty slot."""
+        for i, w in enumerate(self.slots):
+            if w is None and self.broken is None:
+                try:
+                    self.slots[i] = _Worker(self.payload)
+                except OSError as e:  # no process to be had (out of file descriptors, memory)
+                    self._break(f"a reward worker could not start ({type(e).__name__}: {e})")
+
     def _dispatch(self) -> None:
+        if self.waiting:
+            self._start()
         if self.broken is not None:
             while self.waiting:
                 chunk = self.waiting.popleft()
                 chunk.values = chunk.inline(chunk.call)
             return
-        for i in range(self.n):
+        for w in self.slots:
             if not self.waiting:
                 return
-            w = self.slots[i]
-            if w is None:
-                try:
-                    w = self.slots[i] = _Worker(self.payload)
-                except OSError as e:  # no process to be had (out of file descriptors, memory)
-                    self._break(f"a reward worker could not start ({type(e).__name__}: {e})")
-                    self._dispatch()
-                    return
             if w.chunk is None:
                 chunk = self.waiting.popleft()
                 try:

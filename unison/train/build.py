@@ -118,7 +118,7 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
         lambda lent: _memory_plan(cfg, model, pool, lent, longest_prompt, merged, states))
     _log_plan(cfg, plan, row_tokens, lend, longest_prompt)
     stop_ids = stop_token_ids(tokenizer, model)
-    workers = cfg.rollout.reward_workers
+    workers = cfg.rollout.reward_workers if topology.tp is None or topology.tp.is_main else 0  # rank 0 scores
     if workers and task.environment_factory is not None:  # the rewards read the live environments: here
         log.warning("rollout.reward_workers=%d: %s's rewards read its environments, which live in this process: "
                     "they score inline", workers, task.name)
