@@ -118,9 +118,23 @@ def test_the_loop_with_workers_trains_on_the_same_batch():
         pooled.scorer.close()
 
 
-def test_reward_worker_settings_are_checked():
-    from unison.rollout.loop import RolloutConfig
-    with pytest.raises(ValueError, match="reward_workers must be >= 0"):
-        RolloutConfig(reward_workers=-1)
+def test_reward_worker_settings_are_checked_and_auto_is_for_gpus(caplog):
+    from unison.config import ConfigError, load_config
+    from unison.rollout.loop import AUTO_REWARD_WORKERS, RolloutConfig
+    from unison.train.config import TrainConfig
+
+    auto = RolloutConfig()
+    assert auto.reward_workers == "auto" and auto.workers_for("cpu") == 0
+    assert auto.workers_for("cuda:1") == AUTO_REWARD_WORKERS == 2
+    assert RolloutConfig(reward_workers=3).workers_for("cpu") == 3
+    assert load_config(TrainConfig, None, ["--rollout.reward_workers=4"]).rollout.reward_workers == 4
+    assert load_config(TrainConfig, None, ["--rollout.reward_workers=auto"]).rollout.reward_workers == "auto"
+    for bad in ("-1", "many", "1.5"):
+        with pytest.raises(ConfigError, match="reward_workers"):
+            load_config(TrainConfig, None, [f"--rollout.reward_workers={bad}"])
     with pytest.raises(ValueError, match="reward_timeout_s must be > 0"):
         RolloutConfig(reward_timeout_s=0)
+    # "auto" on a GPU with functions that cannot travel: a note in the log, not a warning
+    with caplog.at_level(logging.INFO):
+        RewardScorer([(lambda prompts, completions, **_: [0.0] * len(completions), 1.0)], workers=2, asked=False)
+    assert [r.levelname for r in caplog.records if "score inline" in r.message] == ["INFO"]

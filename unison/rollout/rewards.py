@@ -146,12 +146,14 @@ class RewardScorer:
     """Scores with ``reward_fns``: here, or with ``workers`` > 0 in that many worker processes
     (``unison.rollout.reward_workers``; a worker's batch that takes longer than ``timeout_s`` fails)."""
 
-    def __init__(self, reward_fns: Sequence[tuple[RewardFn, float]], workers: int = 0, timeout_s: float = 300.0):
+    def __init__(self, reward_fns: Sequence[tuple[RewardFn, float]], workers: int = 0, timeout_s: float = 300.0,
+                 asked: bool = True):
+        """``asked``: the workers were asked for (a warning, not a note in the log, where they cannot be had)."""
         if not reward_fns:
             raise ValueError("at least one reward function is needed")
         self.reward_fns = list(reward_fns)
         self.names = _unique([getattr(fn, "__name__", type(fn).__name__) for fn, _ in self.reward_fns])
-        self.workers = _workers([fn for fn, _ in self.reward_fns], workers, timeout_s, self._all_values) \
+        self.workers = _workers([fn for fn, _ in self.reward_fns], workers, timeout_s, self._all_values, asked) \
             if workers else None
         self.missing = Counter()  # reward function name -> completions it failed to score
         self.last_failure: dict[str, str] = {}  # reward function name -> why it failed last
@@ -273,7 +275,7 @@ class RewardScorer:
             self._logged_at[name] = now
 
 
-def _workers(fns: list, n: int, timeout_s: float, inline):
+def _workers(fns: list, n: int, timeout_s: float, inline, asked: bool):
     """The worker processes for ``fns``, or None (inline scoring, with a warning saying why) where a function
     cannot travel to them."""
     from .reward_workers import RewardWorkers
@@ -286,8 +288,8 @@ def _workers(fns: list, n: int, timeout_s: float, inline):
             return RewardWorkers(fns, n, timeout_s, inline)
         except Exception as e:  # pickle's errors vary: PicklingError, TypeError, AttributeError
             why = f"they do not pickle ({type(e).__name__}: {e})"
-    log.warning("reward functions score inline, not in %d worker processes: %s; define them in an importable "
-                "module to score in workers", n, why)
+    log.log(logging.WARNING if asked else logging.INFO, "reward functions score inline, not in %d worker "
+            "processes: %s; define them in an importable module to score in workers", n, why)
     return None
 
 

@@ -118,12 +118,13 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
         lambda lent: _memory_plan(cfg, model, pool, lent, longest_prompt, merged, states))
     _log_plan(cfg, plan, row_tokens, lend, longest_prompt)
     stop_ids = stop_token_ids(tokenizer, model)
-    workers = cfg.rollout.reward_workers if topology.tp is None or topology.tp.is_main else 0  # rank 0 scores
+    asked = cfg.rollout.reward_workers != "auto"
+    workers = cfg.rollout.workers_for(device) if topology.tp is None or topology.tp.is_main else 0  # rank 0 scores
     if workers and task.environment_factory is not None:  # the rewards read the live environments: here
-        log.warning("rollout.reward_workers=%d: %s's rewards read its environments, which live in this process: "
-                    "they score inline", workers, task.name)
+        log.log(logging.WARNING if asked else logging.INFO, "rollout.reward_workers=%s: %s's rewards read its "
+                "environments, which live in this process: they score inline", cfg.rollout.reward_workers, task.name)
         workers = 0
-    scorer = RewardScorer(task.reward_fns, workers, cfg.rollout.reward_timeout_s)
+    scorer = RewardScorer(task.reward_fns, workers, cfg.rollout.reward_timeout_s, asked)
     scorer = BroadcastScorer(scorer, topology.tp) if topology.tp is not None else scorer
     if cfg.log.completions_every and topology.is_main:
         scorer = RecordingScorer(scorer, cfg.log.completions_per_log)
