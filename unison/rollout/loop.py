@@ -160,7 +160,6 @@ class RolloutLoop:
         self.window_parts: dict[str, list[float]] = {}
         self.gen_tokens = 0
         self.gen_time = 0.0
-        self.unscored = 0  # completions in self.scoring
         self.reward_wait = 0.0  # seconds the loop spent scoring, or waiting for the reward workers
 
     def next_batch(self, trainer_version: int) -> tuple[list[Sample], dict[str, float]]:
@@ -308,16 +307,16 @@ class RolloutLoop:
                                          [list(c.token_ids) for c, _ in finished]) if finished else Scored([])
             self.reward_wait += time.perf_counter() - t
             self.scoring.append((completions, groups, [c.request_id for c, _ in finished], scoring))
-            self.unscored += len(completions)
             self.gen_tokens += sum(len(c.token_ids) for c, _ in finished)
         self._file_scored()
 
     def _file_scored(self, behind: int | None = None) -> None:
         """File the engine steps whose completions are scored, oldest first; with ``behind``, first wait until no
         more than that many completions are still being scored."""
-        while self.scoring and (self.scoring[0][3].done() or (behind is not None and self.unscored > behind)):
+        unscored = sum(len(completions) for completions, *_ in self.scoring)
+        while self.scoring and (self.scoring[0][3].done() or (behind is not None and unscored > behind)):
             entry = self.scoring.popleft()
-            self.unscored -= len(entry[0])
+            unscored -= len(entry[0])
             self._file(*entry)
 
     def _file(self, completions: list[Completion], groups: list[_Group], scored_ids: list[str],

@@ -9,7 +9,7 @@ parallelism's rank 0, the episodes, the evaluation) splits its completions over 
 A worker is a fresh interpreter (``python -m unison.rollout.reward_workers``), not a fork of the trainer: it holds
 no CUDA context and no other thread's locks, and never runs the trainer's script again (which multiprocessing's
 spawn does to a script without a ``__main__`` guard). The reward functions therefore travel pickled: those defined
-in the script that runs (``__main__``), and those that do not pickle, score inline, with a warning that says so.
+in the script that runs (``__main__``), and those that do not pickle, score inline, and the log says so.
 A worker that dies or outlives ``timeout_s`` on one batch costs that batch's rewards (counted as each function's
 failures, as an exception would be), never the run; a new worker takes its place. One that cannot load the
 functions at all turns scoring inline for the rest of the run.
@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 class _Chunk:
     """Consecutive completions of one submitted call, scored by one worker."""
 
-    def __init__(self, call, inline):
-        self.call, self.inline = call, inline
+    def __init__(self, call):
+        self.call = call
         self.values: list | None = None  # per reward function: a value per completion
 
     def fail(self, why: str, n_fns: int) -> None:
@@ -91,7 +91,7 @@ class RewardWorkers:
         """Score ``call`` in up to ``n`` chunks; ``tally(values)`` turns the values into the scorer's results."""
         k = min(self.n, len(call.completions)) or 1
         bounds = [len(call.completions) * i // k for i in range(k + 1)]
-        chunks = [_Chunk(call.slice(a, b), self.inline) for a, b in zip(bounds, bounds[1:], strict=False)]
+        chunks = [_Chunk(call.slice(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
         self.waiting.extend(chunks)
         self.progress(0.0)
         return Pending(self, chunks, tally)
@@ -178,7 +178,7 @@ class RewardWorkers:
         if self.broken is not None:
             while self.waiting:
                 chunk = self.waiting.popleft()
-                chunk.values = chunk.inline(chunk.call)
+                chunk.values = self.inline(chunk.call)
             return
         for w in self.slots:
             if not self.waiting:
@@ -188,7 +188,7 @@ class RewardWorkers:
                 try:
                     data = pickle.dumps(("score", chunk.call.fields()))
                 except Exception as e:  # a column that does not pickle (its objects' errors vary)
-                    chunk.values = chunk.inline(chunk.call)
+                    chunk.values = self.inline(chunk.call)
                     log.debug("scored a batch inline: its columns do not pickle (%s)", e)
                     continue
                 try:

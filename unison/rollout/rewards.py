@@ -276,8 +276,8 @@ class RewardScorer:
 
 
 def _workers(fns: list, n: int, timeout_s: float, inline, asked: bool):
-    """The worker processes for ``fns``, or None (inline scoring, with a warning saying why) where a function
-    cannot travel to them."""
+    """The worker processes for ``fns``, or None (inline scoring, the log saying why) where a function cannot
+    travel to them."""
     from .reward_workers import RewardWorkers
     local = [getattr(fn, "__name__", type(fn).__name__) for fn in fns
              if getattr(fn, "__module__", None) == "__main__" or type(fn).__module__ == "__main__"]
