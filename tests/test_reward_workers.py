@@ -118,6 +118,14 @@ def test_the_loop_with_workers_trains_on_the_same_batch():
         pooled.scorer.close()
 
 
+def test_episodes_with_an_environment_score_here_where_the_environments_live():
+    from test_environments import make_loop as episode_loop
+
+    loop = episode_loop(reward_workers=2)  # solved/guessed pickle; the environments they read live in this process
+    batch, _ = loop.next_batch(trainer_version=0)
+    assert loop.scorer.workers is None and len(batch) == 4 and len({s.reward for s in batch}) > 1
+
+
 def test_reward_worker_settings_are_checked_and_auto_is_for_gpus(caplog):
     from unison.config import ConfigError, load_config
     from unison.rollout.loop import AUTO_REWARD_WORKERS, RolloutConfig

@@ -30,6 +30,7 @@ from ..engine.seeding import group_seed
 from ..engine.stop import decoder
 from ..rollout.advantage import group_advantages
 from ..rollout.loop import RolloutLoop
+from ..rollout.rewards import RewardScorer
 from .environment import Failed, environment_tools, reset_environment, respond_all, responds
 from .episode import ChatRenderer, Episode
 from .parsing import ParsedTurn, parse_tool_calls
@@ -98,6 +99,8 @@ class MultiTurnRolloutLoop(RolloutLoop):
     def __init__(self, engine, tokenizer, rows, reward_fns, cfg, *args, episode_cfg: EpisodeConfig | None = None,
                  tools: list[Callable] = (), environment_factory: Callable[[], object] | None = None,
                  tp: Ranks | None = None, **kwargs):
+        if environment_factory is not None and kwargs.get("scorer") is None:  # the rewards read live environments
+            kwargs["scorer"] = RewardScorer(reward_fns)  # here, not in reward workers (which would get copies)
         super().__init__(engine, tokenizer, rows, reward_fns, cfg, *args, **kwargs)
         self.tp = tp
         self.runs_tools = tp is None or tp.is_main
