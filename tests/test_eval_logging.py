@@ -85,7 +85,7 @@ def test_eval_completions_wandb_and_save_total_limit_in_a_real_run(model_dir, tm
         f"--data.source={data_file(tmp_path / 'rows.jsonl')}", "--data.eval_split=0.25",
         "--rewards=[{fn: 'test_eval_logging:has_w7'}]", "--eval.steps=2", "--eval.k=2",
         "--log.completions_every=1", "--log.completions_per_log=4", "--log.report_to=[tensorboard, wandb]",
-        "--save_every=1", "--save_total_limit=1", "--rollout.reward_workers=1"])  # scored in a worker process
+        "--save_every=1", "--save_total_limit=1"])
     train(cfg)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
