@@ -109,6 +109,9 @@ def test_reward_functions_get_the_last_turn_as_completion_and_completion_ids():
     for s in batch:  # each sample's completion ends with its last model turn: those ids, that text
         text, ids = next((t, i) for t, i in seen if list(s.completion_ids[-len(i):]) == i)
         assert tok.decode(ids, skip_special_tokens=True) == text and ids[-1] == 257
+        # the completion log shows the last turn as scored, the episode's turns and tool calls
+        assert (s.shown["completion"], s.shown["reward"], s.shown["reward/last_turn"]) == (text, s.reward, s.reward)
+        assert s.shown["turns"] == sum(is_model for _, _, is_model in _spans(s.completion_mask)) > 1
 
 
 def test_engine_logprobs_of_the_models_tokens_match_the_trainers_and_tool_tokens_are_not_trained():

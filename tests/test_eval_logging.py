@@ -85,7 +85,7 @@ def test_eval_completions_wandb_and_save_total_limit_in_a_real_run(model_dir, tm
         f"--data.source={data_file(tmp_path / 'rows.jsonl')}", "--data.eval_split=0.25",
         "--rewards=[{fn: 'test_eval_logging:has_w7'}]", "--eval.steps=2", "--eval.k=2",
         "--log.completions_every=1", "--log.completions_per_log=4", "--log.report_to=[tensorboard, wandb]",
-        "--save_every=1", "--save_total_limit=1"])
+        "--save_every=1", "--save_total_limit=1", "--rollout.reward_workers=1"])  # scored in a worker process
     train(cfg)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -98,10 +98,12 @@ def test_eval_completions_wandb_and_save_total_limit_in_a_real_run(model_dir, tm
            {k: v for k, v in records[2].items() if k.startswith("eval/") and k != "eval/time_s"}
     assert all(r["reward/has_w7"] is not None for r in records)  # the config's reward function scored the run
     logged = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
-    assert sorted({r["step"] for r in logged}) == [1, 2, 3] and all(len(r) >= 5 for r in logged)
+    assert [r["step"] for r in logged] == [1] * 4 + [2] * 4 + [3] * 4  # the batch each step trained on
+    for step in (1, 2, 3):  # two groups of 4: two of each shown, advantages standardised within a group
+        assert len({r["prompt"] for r in logged if r["step"] == step}) == 2
     for r in logged:
         assert isinstance(r["prompt"], str) and isinstance(r["completion"], str) and r["answer"] == "w7"
-        assert r["reward"] == pytest.approx(r["reward/has_w7"])
+        assert r["reward"] == pytest.approx(r["reward/has_w7"]) and abs(r["advantage"]) > 0
         assert r["reward/has_w7"] == pytest.approx(has_w7([r["completion"]])[0])
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -4,16 +4,18 @@ unchanged."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
+import time
 
 import pytest
 import worker_rewards as wr
 from test_rollout import make_loop
 
 from unison.rollout.rewards import RewardScorer
-from unison.train.reporting import RecordingScorer
+from unison.train.reporting import CompletionLog
 
 COMPLETIONS = [f"w7 {'w7 ' * i}x" for i in range(7)]
 PROMPTS = [f"p{i}" for i in range(7)]
@@ -65,6 +67,28 @@ def test_a_hung_worker_is_stopped_after_the_timeout():
         scorer.close()
 
 
+def test_a_batchs_clock_starts_when_its_worker_has_loaded_the_functions(monkeypatch):
+    monkeypatch.setenv("WORKER_REWARDS_LOAD_S", "1.5")  # the import takes 1.5 s in a worker, scoring 1.5 s more
+    scorer = RewardScorer([(wr.takes, 1.0)], workers=1, timeout_s=2.5)
+    try:  # sent at once, before the worker is ready: 3 s and more after it was sent, under 2.5 s of scoring
+        assert scorer.submit(["p"], ["1.5"], {}).result() == [(1.0, {"takes": 1.0})]
+        assert scorer.workers.restarts == 0 and not scorer.missing
+    finally:
+        scorer.close()
+
+
+def test_a_worker_that_does_not_load_within_the_timeout_turns_scoring_inline(monkeypatch):
+    monkeypatch.setenv("WORKER_REWARDS_LOAD_S", "30")
+    scorer = RewardScorer([(wr.pid, 1.0)], workers=1, timeout_s=1.0)
+    try:
+        t = time.monotonic()
+        assert scorer.score(["p"], ["c"], {}) == [(os.getpid(), {"pid": os.getpid()})]  # here, not lost
+        assert time.monotonic() - t < 10 and "did not load the reward functions in 1 s" in scorer.workers.broken
+        assert all(w is None for w in scorer.workers.slots)  # stopped
+    finally:
+        scorer.close()
+
+
 def test_functions_that_cannot_travel_score_inline(caplog, monkeypatch):
     with caplog.at_level(logging.WARNING):
         scorer = RewardScorer([(lambda prompts, completions, **_: [2.0] * len(completions), 1.0)], workers=2)
@@ -93,15 +117,38 @@ def test_a_batch_whose_columns_do_not_pickle_scores_inline():
         scorer.close()
 
 
-def test_recording_scorer_records_when_the_workers_are_back():
-    scorer = RecordingScorer(RewardScorer([(wr.count_w7, 1.0)], workers=1), keep=4)
+def test_the_completion_log_shows_the_trained_batch_as_its_workers_scored_it(tmp_path):
+    loop = make_loop([(wr.count_w7, 1.0), (wr.length, 0.5)], reward_workers=1)
     try:
-        pending = scorer.submit(["p"], ["w7"], {"answer": ["1"]})
-        assert pending.result()[0][0] == pytest.approx(1.01)
-        assert [(r["completion"], r["answer"], r["reward"]) for r in scorer.recent] == \
-            [("w7", "1", pending.result()[0][0])]
+        batch, _ = loop.next_batch(trainer_version=0)
     finally:
-        scorer.close()
+        loop.scorer.close()
+    by_prompt = {row["prompt"]: row["answer"] for row in loop.rows}
+    for s in batch:  # what the workers scored and the loop filed, sample by sample
+        text = loop.tokenizer.decode(list(s.completion_ids), skip_special_tokens=True)
+        assert s.shown["completion"].strip() == text.strip() and s.shown["answer"] == by_prompt[s.shown["prompt"]]
+        parts = {name: s.shown[f"reward/{name}"] for name in ("count_w7", "length")}
+        assert s.shown["reward"] == s.reward == pytest.approx(parts["count_w7"] + 0.5 * parts["length"])
+        assert parts["count_w7"] == wr.count_w7([], [s.shown["completion"]])[0]
+
+    class Writer:
+        logged = []
+
+        def log_completions(self, step, records):
+            self.logged.append((step, records))
+
+    log = CompletionLog(str(tmp_path), every=2, per_log=3, writer=Writer())
+    log.after_step(1, batch)
+    assert not Writer.logged and not (tmp_path / "completions.jsonl").exists()  # not a logging step
+    log.after_step(2, batch)
+    ((step, records),) = Writer.logged
+    groups = [s.group_id for s in batch]
+    assert step == 2 and len(records) == 3 and len(set(groups)) == 2  # two groups of 4: one of each, then a second
+    firsts = [batch[groups.index(g)] for g in dict.fromkeys(groups)]
+    assert [(r["completion"], r["advantage"]) for r in records[:2]] == [(s.shown["completion"], s.advantage)
+                                                                         for s in firsts]
+    written = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert written == [json.loads(json.dumps(r)) for r in records] and all(r["step"] == 2 for r in written)
 
 
 def test_the_loop_with_workers_trains_on_the_same_batch():
@@ -116,6 +163,38 @@ def test_the_loop_with_workers_trains_on_the_same_batch():
         assert pooled.scorer.workers.broken is None and any(w is not None for w in pooled.scorer.workers.slots)
     finally:
         pooled.scorer.close()
+
+
+def test_the_evaluation_scores_on_the_trainings_workers_and_counts_apart():
+    from conftest import tiny_llama, tiny_tokenizer
+
+    from unison.engine import Engine, EngineConfig
+    from unison.rollout.loop import RolloutConfig
+    from unison.train.evaluate import EvalConfig, Evaluator
+
+    rows = [{"prompt": " ".join(f"w{3 + (i * 13 + j) % 250}" for j in range(5)), "answer": str(i)} for i in range(6)]
+    rollout = RolloutConfig(group_size=2, samples_per_step=2, max_concurrent_rollouts=8, max_new_tokens=6)
+    fns = [(wr.count_w7, 1.0), (wr.length, 0.5)]
+
+    def evaluate(scorer=None):
+        engine = Engine(tiny_llama(), EngineConfig(num_blocks=128, block_size=4, seed=0))
+        evaluator = Evaluator(EvalConfig(steps=1, k=3), engine, tiny_tokenizer(), rows, fns, rollout, [2], None, 0,
+                              scorer=scorer)
+        return evaluator.run(lambda others: pytest.fail(f"no other requests are in flight, got {others}"))
+
+    training = RewardScorer(fns, workers=2)
+    try:
+        apart = training.apart()
+        apart._all_values = lambda call: pytest.fail("scored here, not on the workers")
+        pooled = evaluate(apart)
+        assert apart.workers is training.workers and training.workers.broken is None
+        assert apart.scored == 6 * (1 + 3) and training.scored == 0  # counted apart from the training's
+    finally:
+        training.close()
+    inline = evaluate()
+    assert {k: v for k, v in pooled.items() if k != "eval/time_s"} == \
+        {k: v for k, v in inline.items() if k != "eval/time_s"}
+    assert inline["eval/reward_mean"] > 0
 
 
 def test_episodes_with_an_environment_score_here_where_the_environments_live():

@@ -7,8 +7,11 @@ import os
 import sys
 import time
 
-if sys.argv and sys.argv[0].endswith("reward_workers.py") and os.environ.get("WORKER_REWARDS_REFUSE"):
+IN_WORKER = bool(sys.argv) and sys.argv[0].endswith("reward_workers.py")
+if IN_WORKER and os.environ.get("WORKER_REWARDS_REFUSE"):
     raise ImportError("worker_rewards refuses to load in a reward worker (WORKER_REWARDS_REFUSE)")
+if IN_WORKER:  # a slow import (a verifier that loads a model, SymPy's first use)
+    time.sleep(float(os.environ.get("WORKER_REWARDS_LOAD_S", "0")))
 
 
 def count_w7(prompts, completions, **_):
@@ -35,4 +38,10 @@ def exits_on_boom(prompts, completions, **_):
 def hangs_on_slow(prompts, completions, **_):
     if any("slow" in c for c in completions):
         time.sleep(60)
+    return [1.0] * len(completions)
+
+
+def takes(prompts, completions, **_):
+    """Takes as many seconds as the first completion says."""
+    time.sleep(float(completions[0]))
     return [1.0] * len(completions)

@@ -140,6 +140,6 @@ class Episode:
         self.logprobs += [0.0] * len(token_ids)
         self.versions += [version] * len(token_ids)
 
-    def sample(self, reward: float, advantage: float, group_id: str) -> Sample:
+    def sample(self, reward: float, advantage: float, group_id: str, shown: dict | None = None) -> Sample:
         return Sample(tuple(self.prompt_ids), tuple(self.tokens), tuple(self.logprobs), tuple(self.versions),
-                      reward, advantage, group_id, self.finish_reason, completion_mask=tuple(self.mask))
+                      reward, advantage, group_id, self.finish_reason, completion_mask=tuple(self.mask), shown=shown)

@@ -31,6 +31,7 @@ from ..engine.stop import decoder
 from ..rollout.advantage import group_advantages
 from ..rollout.loop import RolloutLoop
 from ..rollout.rewards import RewardScorer
+from ..rollout.sample import shown
 from .environment import Failed, environment_tools, reset_environment, respond_all, responds
 from .episode import ChatRenderer, Episode
 from .parsing import ParsedTurn, parse_tool_calls
@@ -73,7 +74,7 @@ class _EpisodeGroup:
     prompt_text: str
     pending: int
     group_id: str = ""  # the engine's, from the first completion that lands
-    landed: list[tuple[Episode, float | None]] = field(default_factory=list)
+    landed: list[tuple[Episode, float | None, dict | None]] = field(default_factory=list)  # with what the log shows
 
 
 @dataclass
@@ -303,7 +304,7 @@ class MultiTurnRolloutLoop(RolloutLoop):
             del self.episodes[rid]
             group.pending -= 1
             if dropped:
-                group.landed.append((ep, None))
+                group.landed.append((ep, None, None))
             if group.pending == 0:
                 self._close(group, group.group_id)
 
@@ -393,7 +394,9 @@ class MultiTurnRolloutLoop(RolloutLoop):
                                    [ep.last_ids for _, ep in ended])
         self.reward_wait += time.perf_counter() - t
         for (rid, ep), (reward, parts) in zip(ended, scored, strict=True):
-            self.in_engine[rid].landed.append((ep, reward))
+            group = self.in_engine[rid]
+            group.landed.append((ep, reward, shown(group.prompt_text, ep.last_text, reward, parts, ep.row)
+                                 | {"turns": ep.turns, "tool_calls": ep.tool_calls}))
             self._record(len(ep.tokens), ep.finish_reason, reward, parts)
             w = self.episode_window
             w["turns"].append(ep.turns)
@@ -404,14 +407,14 @@ class MultiTurnRolloutLoop(RolloutLoop):
             self.gen_tokens += sum(ep.mask)
 
     def _close(self, group: _EpisodeGroup, group_id: str) -> None:
-        scored = [(ep, r) for ep, r in group.landed if r is not None]
-        advantages = group_advantages([r for _, r in scored], self.cfg.advantage_eps,
+        scored = [(ep, r, record) for ep, r, record in group.landed if r is not None]
+        advantages = group_advantages([r for _, r, _ in scored], self.cfg.advantage_eps,
                                       *([self.cfg.scale_rewards] if hasattr(self.cfg, "scale_rewards") else []))
         if advantages is None:
             self.counts["zero_std_groups"] += 1
             return
         self.counts["groups"] += 1
-        self.ready += [ep.sample(r, a, group_id) for (ep, r), a in zip(scored, advantages, strict=True)]
+        self.ready += [ep.sample(r, a, group_id, record) for (ep, r, record), a in zip(scored, advantages, strict=True)]
 
     def _metrics(self, batch, trainer_version, wait_s):
         m = super()._metrics(batch, trainer_version, wait_s)

@@ -26,7 +26,7 @@ from ..engine.stop import completion_texts
 from ..vision.messages import chat_messages
 from .advantage import group_advantages
 from .rewards import RewardFn, RewardScorer, Scored, Scorer, Scoring
-from .sample import Sample
+from .sample import Sample, shown
 
 if TYPE_CHECKING:
     from ..vision.prompt import ImagePrompt, ImagePrompter
@@ -74,8 +74,9 @@ class RolloutConfig:
     (bench/results/h100/speed/rewards/). The functions must pickle and live in an importable module (those defined
     in the script that runs score inline, with a warning where workers were asked for)."""
     reward_timeout_s: float = 300.0
-    """With reward_workers: a worker that takes longer on one engine step's completions is stopped and their
-    rewards counted as failures (inline, a hung verifier hangs the run)."""
+    """With reward_workers: a worker that takes longer on one engine step's completions (counted from when it has
+    loaded the reward functions) is stopped and their rewards counted as failures; one that takes longer to load the
+    functions turns scoring inline for the run (inline, a hung verifier hangs the run)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """TRL's: 'group' divides each group's centred rewards by the group's std; 'batch' by the std of the trained
     batch's rewards (every replica's; PPO-Lite); 'none' keeps them centred only (Dr. GRPO). The population std plus
@@ -118,7 +119,7 @@ class _Group:
     row: dict
     prompt_text: str | list[dict]  # the row's prompt: the user message, or a conversation
     pending: int  # samples still in the engine
-    landed: list[tuple[Completion, float | None]]
+    landed: list[tuple[Completion, float | None, dict]]  # with what the completion log shows of it
     images: ImagePrompt | None = None  # a vision-language prompt's images, shared by the group's samples
 
 
@@ -153,7 +154,7 @@ class RolloutLoop:
         self.epoch = 0
         self.in_engine: dict[str, _Group] = {}  # request id (as submit returned it) -> its group
         # What engine steps finished and the scorer has yet to score, in the order they landed.
-        self.scoring: deque[tuple[list[Completion], list[_Group], list[str], Scoring]] = deque()
+        self.scoring: deque[tuple[list[Completion], list[_Group], list[str], list[str], Scoring]] = deque()
         self.ready: list[Sample] = []
         self.counts = Counter()
         self.window: dict[str, list[float]] = {"reward": [], "length": [], "truncated": []}
@@ -306,7 +307,7 @@ class RolloutLoop:
             scoring = self.scorer.submit([g.prompt_text for _, g in finished], texts, columns,
                                          [list(c.token_ids) for c, _ in finished]) if finished else Scored([])
             self.reward_wait += time.perf_counter() - t
-            self.scoring.append((completions, groups, [c.request_id for c, _ in finished], scoring))
+            self.scoring.append((completions, groups, [c.request_id for c, _ in finished], texts, scoring))
             self.gen_tokens += sum(len(c.token_ids) for c, _ in finished)
         self._file_scored()
 
@@ -314,23 +315,25 @@ class RolloutLoop:
         """File the engine steps whose completions are scored, oldest first; with ``behind``, first wait until no
         more than that many completions are still being scored."""
         unscored = sum(len(completions) for completions, *_ in self.scoring)
-        while self.scoring and (self.scoring[0][3].done() or (behind is not None and unscored > behind)):
+        while self.scoring and (self.scoring[0][-1].done() or (behind is not None and unscored > behind)):
             entry = self.scoring.popleft()
             unscored -= len(entry[0])
             self._file(*entry)
 
-    def _file(self, completions: list[Completion], groups: list[_Group], scored_ids: list[str],
+    def _file(self, completions: list[Completion], groups: list[_Group], scored_ids: list[str], texts: list[str],
               scoring: Scoring) -> None:
         t = time.perf_counter()
         scores = dict(zip(scored_ids, scoring.result(), strict=True))
         self.reward_wait += time.perf_counter() - t
+        texts = dict(zip(scored_ids, texts, strict=True))
         for completion, group in zip(completions, groups, strict=True):
             group.pending -= 1
             if completion.request_id not in scores:  # aborted, or finished without a token
                 self.counts["aborted"] += 1
             else:
                 reward, parts = scores[completion.request_id]
-                group.landed.append((completion, reward))
+                group.landed.append((completion, reward, shown(group.prompt_text, texts[completion.request_id],
+                                                               reward, parts, group.row)))
                 self._record(len(completion.token_ids), completion.finish_reason, reward, parts)
             if group.pending == 0:
                 self._close(group, completion.group_id)
@@ -347,15 +350,16 @@ class RolloutLoop:
                 self.window_parts.setdefault(name, []).append(value)
 
     def _close(self, group: _Group, group_id: str) -> None:
-        scored = [(c, r) for c, r in group.landed if r is not None]
-        advantages = group_advantages([r for _, r in scored], self.cfg.advantage_eps, self.cfg.scale_rewards)
+        scored = [(c, r, record) for c, r, record in group.landed if r is not None]
+        advantages = group_advantages([r for _, r, _ in scored], self.cfg.advantage_eps, self.cfg.scale_rewards)
         if advantages is None:
             self.counts["zero_std_groups"] += 1
             return
         self.counts["groups"] += 1
-        for (c, r), a in zip(scored, advantages, strict=True):
+        for (c, r, record), a in zip(scored, advantages, strict=True):
             self.ready.append(Sample(tuple(c.prompt_ids), tuple(c.token_ids), tuple(c.logprobs),
-                                     tuple(c.weight_versions), r, a, group_id, c.finish_reason, images=group.images))
+                                     tuple(c.weight_versions), r, a, group_id, c.finish_reason, images=group.images,
+                                     shown=record))
 
     def _drop_stale(self, trainer_version: int) -> None:
         fresh = [s for s in self.ready if trainer_version - s.oldest_version <= self.cfg.max_staleness]

@@ -11,8 +11,9 @@ no CUDA context and no other thread's locks, and never runs the trainer's script
 spawn does to a script without a ``__main__`` guard). The reward functions therefore travel pickled: those defined
 in the script that runs (``__main__``), and those that do not pickle, score inline, and the log says so.
 A worker that dies or outlives ``timeout_s`` on one batch costs that batch's rewards (counted as each function's
-failures, as an exception would be), never the run; a new worker takes its place. One that cannot load the
-functions at all turns scoring inline for the rest of the run.
+failures, as an exception would be), never the run; a new worker takes its place. A batch's clock starts when its
+worker has loaded the functions. One that cannot load them at all, or not within ``timeout_s``, turns scoring
+inline for the rest of the run.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class _Worker:
         self.outbox.send(payload)
         self.ready = False  # the worker loaded the reward functions
         self.chunk: _Chunk | None = None
-        self.since = 0.0
+        self.started = self.since = time.monotonic()  # since: when it could start on its chunk
 
     def stop(self, kill: bool = False) -> None:
         for conn in (self.inbox, self.outbox):
@@ -106,7 +107,14 @@ class RewardWorkers:
                 pass  # everything it sent so far (an exit after its last results included)
         now = time.monotonic()
         for i, w in enumerate(self.slots):
-            if w is not None and w.chunk is not None and now - w.since > self.timeout_s:
+            if w is None or w.chunk is None:
+                continue
+            if not w.ready:  # a batch's clock starts when its worker has loaded the functions, which has as long
+                if now - w.started > self.timeout_s:
+                    self._break(f"a reward worker did not load the reward functions in {self.timeout_s:g} s "
+                                "(rollout.reward_timeout_s)")
+                continue
+            if now - w.since > self.timeout_s:
                 w.chunk.fail(f"the reward worker took more than {self.timeout_s:g} s (rollout.reward_timeout_s) "
                              "on this batch and was stopped", self.n_fns)
                 log.warning("a reward worker took more than %g s on %d completions: stopped, a new one starts",
@@ -126,7 +134,7 @@ class RewardWorkers:
             self._died(w)
             return False
         if msg[0] == "ready":
-            w.ready = True
+            w.ready, w.since = True, time.monotonic()  # a chunk sent before: its clock starts now
         elif msg[0] == "error":  # the functions do not load there: this run scores inline
             self._break(f"a reward worker could not load the reward functions ({msg[1]})")
         else:
@@ -196,7 +204,9 @@ class RewardWorkers:
                 except OSError:
                     self.waiting.appendleft(chunk)  # the worker is gone: the next progress() files its exit
                     continue
-                w.chunk, w.since = chunk, time.monotonic()
+                w.chunk = chunk
+                if w.ready:
+                    w.since = time.monotonic()
 
 
 class Pending:

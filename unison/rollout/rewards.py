@@ -179,6 +179,13 @@ class RewardScorer:
             return self.workers.submit(call, self._tally)
         return Scored(self._tally(self._all_values(call)))
 
+    def apart(self) -> RewardScorer:
+        """A scorer of the same functions on the same workers that counts its own failures (the evaluation's, kept
+        apart from the training's). Closing this scorer stops the workers."""
+        other = RewardScorer(self.reward_fns)
+        other.workers = self.workers
+        return other
+
     def close(self) -> None:
         """Stops the workers (if any; they also stop with this object, or when the process exits)."""
         if self.workers is not None:

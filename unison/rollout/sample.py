@@ -10,6 +10,15 @@ if TYPE_CHECKING:
     from unison.vision.prompt import ImagePrompt
 
 
+def shown(prompt, completion: str, reward: float, parts: dict[str, float], row: dict) -> dict:
+    """A ``Sample.shown``."""
+    record = {"prompt": prompt, "completion": completion, "reward": reward,
+              **{f"reward/{name}": value for name, value in parts.items()}}
+    if "answer" in row:
+        record["answer"] = row["answer"]
+    return record
+
+
 @dataclass(frozen=True)
 class Sample:
     """One completion of one prompt, scored, with its group advantage.
@@ -33,6 +42,9 @@ class Sample:
     completion_mask: tuple[bool, ...] | None = None
     images: ImagePrompt | None = field(default=None, compare=False, repr=False)
     """A vision-language prompt's images through the tower (shared by the group's samples)."""
+    shown: dict | None = field(default=None, compare=False, repr=False)
+    """What the completion log shows of it (``log.completions_every``): the prompt and completion texts as the reward
+    functions saw them, the reward, each function's value, the row's answer where it has one."""
 
     def __post_init__(self):
         if not self.prompt_ids or not self.completion_ids:

@@ -39,7 +39,7 @@ from .leak import check_packed_attention
 from .memory import MemoryPlan, auto_row_tokens, choose_lending, kv_blocks_for, plan_memory
 from .optimizer import MasterAdamW, build_optimizer
 from .reference import ReferenceModel, build_reference
-from .reporting import CompletionLog, RecordingScorer
+from .reporting import CompletionLog
 from .resume import load_resume_state, restore, run_record
 from .run_dir import check_run_dir, start_run
 
@@ -124,10 +124,8 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
         log.log(logging.WARNING if asked else logging.INFO, "rollout.reward_workers=%s: %s's rewards read its "
                 "environments, which live in this process: they score inline", cfg.rollout.reward_workers, task.name)
         workers = 0
-    scorer = RewardScorer(task.reward_fns, workers, cfg.rollout.reward_timeout_s, asked)
-    scorer = BroadcastScorer(scorer, topology.tp) if topology.tp is not None else scorer
-    if cfg.log.completions_every and topology.is_main:
-        scorer = RecordingScorer(scorer, cfg.log.completions_per_log)
+    rewards = RewardScorer(task.reward_fns, workers, cfg.rollout.reward_timeout_s, asked)
+    scorer = BroadcastScorer(rewards, topology.tp) if topology.tp is not None else rewards
     # A task with tools or an environment rolls out multi-turn episodes (each one sample) on the same engine.
     loop_cls, episodes = RolloutLoop, {}
     if task.multi_turn:
@@ -154,9 +152,9 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
     log.info("training %s on %s (%s, %s) for %d steps; %d prompts", cfg.model.name_or_path, task.name,
              device, dtype, cfg.max_steps, len(task.rows))
     evaluator = Evaluator(cfg.eval, engine, tokenizer, task.eval_rows, task.reward_fns, cfg.rollout, stop_ids,
-                          task.system_prompt, cfg.seed, images) if cfg.eval.steps else None
-    completions = CompletionLog(cfg.output_dir, cfg.log.completions_every, scorer, writer) \
-        if isinstance(scorer, RecordingScorer) else None
+                          task.system_prompt, cfg.seed, images, rewards.apart()) if cfg.eval.steps else None
+    completions = CompletionLog(cfg.output_dir, cfg.log.completions_every, cfg.log.completions_per_log, writer) \
+        if cfg.log.completions_every and topology.is_main else None
     return Run(cfg, topology, model, tokenizer, optimizer, engine, publisher, rollout, writer, plan, row_tokens,
                pad_id, lend, record, start, reference, evaluator, completions, processor)
 

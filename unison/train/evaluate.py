@@ -11,6 +11,8 @@ own scorer for reasoning-gym tasks) is at least 1. Metrics (``eval/...``, in the
 - ``eval/greedy_reward_mean``, ``eval/reward_mean``: the weighted reward, greedy and sampled.
 
 The engine keeps serving the training rollouts in flight meanwhile; their completions go back to the rollout loop.
+Each engine step's evaluation completions go to the scorer as they land: with reward workers
+(``rollout.reward_workers``: the training's, failures counted apart) they are scored while the engine decodes the rest.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from ..engine import Completion
 from ..engine.stop import completion_text
 from ..rollout.loop import RolloutConfig, encode_row
-from ..rollout.rewards import RewardFn, RewardScorer
+from ..rollout.rewards import RewardFn, RewardScorer, Scoring
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +54,18 @@ class EvalConfig:
 
 class Evaluator:
     """Runs the evaluation on ``rows`` with ``engine``; ``reward_fns`` score it (their failures counted apart from
-    the training's, as ``eval/reward_failed``)."""
+    the training's, as ``eval/reward_failed``), here or with ``scorer`` (the same functions, e.g. the training
+    scorer's ``apart()``: on its workers)."""
 
     def __init__(self, cfg: EvalConfig, engine, tokenizer, rows: list[dict], reward_fns: list[tuple[RewardFn, float]],
                  rollout: RolloutConfig, stop_token_ids: list[int] | None, system_prompt: str | None, seed: int,
-                 images=None):
+                 images=None, scorer: RewardScorer | None = None):
         if not rows:
             raise ValueError("eval.steps is set but there are no held-out rows: set data.eval_split (a split name "
                              "or a fraction) or data.eval_source")
         self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
         self.rows = rows[:cfg.max_prompts] if cfg.max_prompts else rows
-        self.scorer = RewardScorer(reward_fns)
+        self.scorer = scorer or RewardScorer(reward_fns)
         if cfg.correct_reward and cfg.correct_reward not in self.scorer.names:
             raise ValueError(f"eval.correct_reward={cfg.correct_reward!r} is none of the reward functions "
                              f"{self.scorer.names}")
@@ -91,29 +94,34 @@ class Evaluator:
             except ValueError as e:  # a prompt too long for the context: skipped and counted
                 skipped += 1
                 log.warning("eval: skipping prompt %d: %s", i, e)
-        done: dict[str, Completion] = {}
-        while len(done) < len(mine):
+        scoring: list[tuple[list[str], Scoring]] = []  # each engine step's evaluation completions, being scored
+        landed = 0
+        while landed < len(mine):
             finished = self.engine.step()
             others = [c for c in finished if c.request_id not in mine]
             if others:
                 land_others(others)
-            done.update((c.request_id, c) for c in finished if c.request_id in mine)
-        metrics = self._score(done, mine)
+            done = [c for c in finished if c.request_id in mine]
+            if done:
+                scoring.append(([c.request_id for c in done], self._submit(done, mine)))
+                landed += len(done)
+        metrics = self._tally(scoring, mine)
         metrics["eval/skipped_prompts"] = float(skipped)
         metrics["eval/time_s"] = time.perf_counter() - t0
         return metrics
 
-    def _score(self, done: dict[str, Completion], mine: dict[str, tuple[int, str]]) -> dict[str, float]:
-        ids = list(done)
-        rows = [self.rows[mine[r][0]] for r in ids]
+    def _submit(self, done: list[Completion], mine: dict[str, tuple[int, str]]) -> Scoring:
+        rows = [self.rows[mine[c.request_id][0]] for c in done]
         keys = dict.fromkeys(k for row in rows for k in row if k != "prompt")
         columns = {k: [row.get(k) for row in rows] for k in keys}
-        texts = [completion_text(self.tokenizer, done[r]) for r in ids]  # as the rollout's: cut before a stop string
-        scored = self.scorer.score([row["prompt"] for row in rows], texts, columns,
-                                   [list(done[r].token_ids) for r in ids]) if ids else []
+        texts = [completion_text(self.tokenizer, c) for c in done]  # as the rollout's: cut before a stop string
+        return self.scorer.submit([row["prompt"] for row in rows], texts, columns, [list(c.token_ids) for c in done])
+
+    def _tally(self, scoring: list[tuple[list[str], Scoring]], mine: dict[str, tuple[int, str]]) -> dict[str, float]:
         greedy_ok, greedy_reward, sampled_reward = [], [], []
         per_prompt: dict[int, list[float]] = {}
-        for r, (reward, parts) in zip(ids, scored, strict=True):
+        for r, (reward, parts) in ((r, result) for ids, pending in scoring
+                                   for r, result in zip(ids, pending.result(), strict=True)):
             i, mode = mine[r]
             correct = float(parts.get(self.correct, 0.0) >= 1.0)
             if mode == "greedy":

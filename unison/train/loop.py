@@ -72,7 +72,7 @@ def train(cfg: TrainConfig, task: Task | None = None) -> dict[str, float]:
             metrics = reduce_metrics(metrics, topology.dp)
         run.writer.log(step, metrics)
         if run.completions is not None:
-            run.completions.after_step(step)
+            run.completions.after_step(step, samples)
         if topology.is_main:
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", s_step=f"{metrics['time/step_s']:.1f}",
                             gen_tok_s=f"{metrics['rollout/tokens_per_s']:.0f}")

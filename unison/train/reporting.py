@@ -5,9 +5,11 @@ scalars. wandb and trackio are optional extras, imported only when named: ``pip 
 ``pip install trackio``. W&B honours its own environment (``WANDB_MODE=offline`` writes the run under
 ``output_dir/wandb/`` without an account).
 
-Every ``log.completions_every`` steps the last ``log.completions_per_log`` completions scored (prompt, completion,
-the weighted reward and each reward function's value) go to ``completions.jsonl`` in the run directory, one JSON
-object per completion with its step, and to TensorBoard as text (and to W&B as a table).
+Every ``log.completions_every`` steps ``log.completions_per_log`` samples of the batch that step trained on (prompt,
+completion, the weighted reward, each reward function's value, the advantage; a sample of each group first, then a
+second of each, ...) go to ``completions.jsonl`` in the run directory, one JSON object per completion with its step,
+and to TensorBoard as text (and to W&B as a table). Groups whose rewards did not differ are not trained, so not
+shown (``reward/mean`` counts them).
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections import deque
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from ..rollout.rewards import Then, WrappedScorer
+from ..rollout.sample import Sample
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ class LogConfig:
     completions_every: int = 0
     """Log sampled completions every this many steps (completions.jsonl, TensorBoard text, a W&B table); 0: never."""
     completions_per_log: int = 8
-    """Completions logged each time: the last ones scored."""
+    """Completions logged each time: samples of the batch that step trained on, one of each group before a second."""
 
     def __post_init__(self):
         if "none" in self.report_to and len(self.report_to) > 1:
@@ -115,44 +117,26 @@ def _plain(value: Any) -> Any:
     return value if isinstance(value, int | float | str | type(None)) else json.dumps(value)
 
 
-class RecordingScorer(WrappedScorer):
-    """A scorer that remembers the last ``keep`` completions it scored, for the completion log; everything else is
-    the wrapped scorer's."""
-
-    def __init__(self, inner, keep: int):
-        super().__init__(inner)
-        self.recent: deque[dict] = deque(maxlen=keep)
-
-    def score(self, prompts, completions, columns, completion_ids=None):
-        return self.submit(prompts, completions, columns, completion_ids).result()
-
-    def submit(self, prompts, completions, columns, completion_ids=None):
-        return Then(self.inner.submit(prompts, completions, columns, completion_ids),
-                    lambda scored: self._record(prompts, completions, columns, scored))
-
-    def _record(self, prompts, completions, columns, scored):
-        for i, (prompt, completion, (reward, parts)) in enumerate(zip(prompts, completions, scored, strict=True)):
-            record = {"prompt": prompt, "completion": completion, "reward": reward, **{f"reward/{k}": v
-                                                                                     for k, v in parts.items()}}
-            if "answer" in columns:
-                record["answer"] = columns["answer"][i]
-            self.recent.append(record)
-        return scored
-
-
 class CompletionLog:
-    """Writes what a ``RecordingScorer`` saw to ``run_dir/completions.jsonl`` and the trackers, every ``every``
-    steps."""
+    """Writes ``per_log`` samples of a step's batch, spread over its groups (what their rollout loop showed of them,
+    ``Sample.shown``) to ``run_dir/completions.jsonl`` and the trackers, every ``every`` steps."""
 
-    def __init__(self, run_dir: str, every: int, scorer: RecordingScorer, writer):
+    def __init__(self, run_dir: str, every: int, per_log: int, writer):
         self.path = os.path.join(run_dir, COMPLETIONS_FILE)
-        self.every, self.scorer, self.writer = every, scorer, writer
+        self.every, self.per_log, self.writer = every, per_log, writer
 
-    def after_step(self, step: int) -> None:
-        if not self.every or step % self.every or not self.scorer.recent:
+    def after_step(self, step: int, batch: list[Sample]) -> None:
+        if not self.every or step % self.every:
             return
-        records = [{"step": step, **r} for r in self.scorer.recent]
-        self.scorer.recent.clear()
+        shown = [s for s in batch if s.shown is not None]
+        seen, place = Counter(), []  # the first sample of each group, then the second of each, ...: every prompt
+        for sample in shown:
+            seen[sample.group_id] += 1
+            place.append(seen[sample.group_id])
+        spread = sorted(range(len(shown)), key=lambda i: (place[i], i))
+        records = [{"step": step, **shown[i].shown, "advantage": shown[i].advantage} for i in spread[:self.per_log]]
+        if not records:
+            return
         with open(self.path, "a") as f:
             for record in records:
                 f.write(json.dumps(record, default=str) + "\n")
