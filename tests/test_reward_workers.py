@@ -197,6 +197,50 @@ def test_the_evaluation_scores_on_the_trainings_workers_and_counts_apart():
     assert inline["eval/reward_mean"] > 0
 
 
+def guess(number: int) -> str:
+    """Guess the number.
+
+    Args:
+        number: the guess
+    """
+    return "correct" if number == 6 else "higher" if number < 6 else "lower"
+
+
+def test_episodes_with_tools_alone_score_in_the_workers_as_inline():
+    from multiturn_helpers import ScriptedEngine, byte_tokenizer
+    from test_environments import player, rows
+
+    from unison.episodes import EpisodeConfig, MultiTurnRolloutLoop
+    from unison.rollout.loop import RolloutConfig
+
+    def rollout(workers: int, found=wr.found):
+        tok = byte_tokenizer()
+        cfg = RolloutConfig(group_size=4, samples_per_step=8, max_concurrent_rollouts=8, max_new_tokens=64,
+                            reward_workers=workers)
+        loop = MultiTurnRolloutLoop(ScriptedEngine(tok, player), tok, rows(), [(found, 1.0), (wr.pid, 0.0)], cfg,
+                                    stop_token_ids=[257], max_sample_tokens=2048,
+                                    episode_cfg=EpisodeConfig(max_turns=4), tools=[guess])
+        try:
+            loop.scorer.score(["p"], ["c"], {})  # the workers are up (a second's start on a busy CPU)
+            batch, metrics = loop.next_batch(trainer_version=0)
+            return batch, loop.scorer.workers, metrics["rollout/reward_wait_s"]
+        finally:
+            loop.scorer.close()
+
+    inline, _, _ = rollout(0)
+    pooled, workers, _ = rollout(2)
+    assert workers is not None and workers.broken is None
+    assert [(s.completion_ids, s.reward, s.advantage) for s in pooled] == \
+        [(s.completion_ids, s.reward, s.advantage) for s in inline]
+    assert len(pooled) == 8 and {s.shown["reward/pid"] for s in inline} == {os.getpid()}
+    assert os.getpid() not in {s.shown["reward/pid"] for s in pooled}  # scored in the workers
+    assert any(s.shown["turns"] > 1 for s in pooled)
+    # A quarter second a call: inline the loop waits for each; with workers the engine decodes on meanwhile
+    _, _, waited_inline = rollout(0, wr.found_slowly)
+    _, _, waited = rollout(2, wr.found_slowly)
+    assert waited_inline >= 1.0 and waited < waited_inline / 3, (waited, waited_inline)
+
+
 def test_episodes_with_an_environment_score_here_where_the_environments_live():
     from test_environments import make_loop as episode_loop
 

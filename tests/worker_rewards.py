@@ -45,3 +45,14 @@ def takes(prompts, completions, **_):
     """Takes as many seconds as the first completion says."""
     time.sleep(float(completions[0]))
     return [1.0] * len(completions)
+
+
+def found(prompts, completions, **_):
+    """1 where the last turn says it found the number; its length breaks ties."""
+    return [float("Found it" in c) + 0.01 * len(c) for c in completions]
+
+
+def found_slowly(prompts, completions, **_):
+    """``found``, a quarter second a call (a verifier's sandbox)."""
+    time.sleep(0.25)
+    return found(prompts, completions)

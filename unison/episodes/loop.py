@@ -9,8 +9,9 @@ once, in threads. A turn without tool calls goes to the environment's ``respond(
 is the next user message, rendered and appended the same way; None ends the episode). An episode ends when the model
 answers without a tool call and no environment responds, at ``max_turns``, when the next turn would not fit
 ``max_tokens``, or when its completion is cut by length. It is then scored (reward functions see the model's last
-turn as the completion and, with an environment, the episode's object as ``environments``) and becomes one
-``Sample`` whose mask trains only the model's tokens.
+turn as the completion and, with an environment, the episode's object as ``environments``; with reward workers and
+no environment, in the workers while the engine decodes on) and becomes one ``Sample`` whose mask trains only the
+model's tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ..engine.seeding import group_seed
 from ..engine.stop import decoder
 from ..rollout.advantage import group_advantages
 from ..rollout.loop import RolloutLoop
-from ..rollout.rewards import RewardScorer
+from ..rollout.rewards import RewardScorer, Scored, Scoring
 from ..rollout.sample import shown
 from .environment import Failed, environment_tools, reset_environment, respond_all, responds
 from .episode import ChatRenderer, Episode
@@ -298,15 +299,13 @@ class MultiTurnRolloutLoop(RolloutLoop):
             return
         if self.continues:
             self.engine.release([rid for rid, _, _ in ended])
-        self._score([(rid, ep) for rid, ep, dropped in ended if not dropped])
-        for rid, ep, dropped in ended:
-            group = self.in_engine.pop(rid)
+        groups = [self.in_engine.pop(rid) for rid, _, _ in ended]  # out of the engine: room to fill
+        for rid, _, _ in ended:
             del self.episodes[rid]
-            group.pending -= 1
-            if dropped:
-                group.landed.append((ep, None, None))
-            if group.pending == 0:
-                self._close(group, group.group_id)
+        scoring = self._submit_scoring([(g, ep) for g, (_, ep, dropped) in zip(groups, ended, strict=True)
+                                        if not dropped])
+        self.scoring.append(([(g, ep, dropped) for g, (_, ep, dropped) in zip(groups, ended, strict=True)], scoring))
+        self._file_scored()
 
     def _tool_calls(self, c: Completion, ep: Episode) -> ParsedTurn | None:
         """The turn's tool calls; None where it made none (or was cut, or the episode has no tools)."""
@@ -380,31 +379,48 @@ class MultiTurnRolloutLoop(RolloutLoop):
 
     # -- scoring and samples -------------------------------------------------------------------------------
 
-    def _score(self, ended: list[tuple[str, Episode]]) -> None:
+    def _submit_scoring(self, ended: list[tuple[_EpisodeGroup, Episode]]) -> Scoring:
+        """The ended episodes' rewards: scored here now, or by the reward workers while the engine decodes on (an
+        environment's rewards read its live objects: its scorer is always this process's)."""
         if not ended:
-            return
+            return Scored([])
         rows = [ep.row for _, ep in ended]
         keys = dict.fromkeys(k for row in rows for k in row if k != "prompt")
         columns = {k: [row.get(k) for row in rows] for k in keys}
         if self.environment_factory is not None:
             columns["environments"] = [ep.environment for _, ep in ended]
-        prompts = [self.in_engine[rid].prompt_text for rid, _ in ended]
         t = time.perf_counter()
-        scored = self.scorer.score(prompts, [ep.last_text for _, ep in ended], columns,
-                                   [ep.last_ids for _, ep in ended])
+        scoring = self.scorer.submit([group.prompt_text for group, _ in ended], [ep.last_text for _, ep in ended],
+                                     columns, [ep.last_ids for _, ep in ended])
         self.reward_wait += time.perf_counter() - t
-        for (rid, ep), (reward, parts) in zip(ended, scored, strict=True):
-            group = self.in_engine[rid]
-            group.landed.append((ep, reward, shown(group.prompt_text, ep.last_text, reward, parts, ep.row)
-                                 | {"turns": ep.turns, "tool_calls": ep.tool_calls}))
-            self._record(len(ep.tokens), ep.finish_reason, reward, parts)
-            w = self.episode_window
-            w["turns"].append(ep.turns)
-            w["tool_calls"].append(ep.tool_calls)
-            w["tool_s"].append(ep.tool_s)
-            w["model_tokens"].append(sum(ep.mask))
-            w["context_tokens"].append(len(ep.mask) - sum(ep.mask))
-            self.gen_tokens += sum(ep.mask)
+        return scoring
+
+    def _file(self, ended: list[tuple[_EpisodeGroup, Episode, bool]], scoring: Scoring) -> None:
+        """File one ``_end``'s episodes with their groups (``scoring``: the rewards of those not dropped)."""
+        t = time.perf_counter()
+        scored = iter(scoring.result())
+        self.reward_wait += time.perf_counter() - t
+        for group, ep, dropped in ended:
+            group.pending -= 1
+            if dropped:
+                group.landed.append((ep, None, None))
+            else:
+                self._file_episode(group, ep, *next(scored))
+            if group.pending == 0:
+                self._close(group, group.group_id)
+
+    def _file_episode(self, group: _EpisodeGroup, ep: Episode, reward: float | None, parts: dict[str, float]
+                      ) -> None:
+        group.landed.append((ep, reward, shown(group.prompt_text, ep.last_text, reward, parts, ep.row)
+                             | {"turns": ep.turns, "tool_calls": ep.tool_calls}))
+        self._record(len(ep.tokens), ep.finish_reason, reward, parts)
+        w = self.episode_window
+        w["turns"].append(ep.turns)
+        w["tool_calls"].append(ep.tool_calls)
+        w["tool_s"].append(ep.tool_s)
+        w["model_tokens"].append(sum(ep.mask))
+        w["context_tokens"].append(len(ep.mask) - sum(ep.mask))
+        self.gen_tokens += sum(ep.mask)
 
     def _close(self, group: _EpisodeGroup, group_id: str) -> None:
         scored = [(ep, r, record) for ep, r, record in group.landed if r is not None]

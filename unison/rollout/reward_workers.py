@@ -3,8 +3,9 @@
 Scoring a GRPO step's 64 completions with math-verify takes ~0.2 s of a CPU core (``bench/reward_cost.py``), which
 the single-turn loop spends between engine steps while the GPU waits. With workers the loop hands each engine
 step's completions to them and steps the engine on; it files the rewards when they come back, in the order the
-completions landed, so the batches hold what inline scoring would give them. A synchronous ``score`` (tensor
-parallelism's rank 0, the episodes, the evaluation) splits its completions over the workers instead.
+completions landed, so the batches hold what inline scoring would give them. The multi-turn loop hands
+them its ended episodes the same way, and the evaluation each engine step's completions. A synchronous ``score``
+(tensor parallelism's rank 0) splits its completions over the workers instead.
 
 A worker is a fresh interpreter (``python -m unison.rollout.reward_workers``), not a fork of the trainer: it holds
 no CUDA context and no other thread's locks, and never runs the trainer's script again (which multiprocessing's
