@@ -294,7 +294,8 @@ class MultiTurnRolloutLoop(RolloutLoop):
                 if a.reply.done() and (block or a.step < self.steps)}
 
     def _end(self, ended: list[tuple[str, Episode, bool]]) -> None:
-        """Free, score and file the episodes that ended (request id, episode, dropped)."""
+        """Free the episodes that ended (request id, episode, dropped), hand them to the scorer, and file those
+        scored (``_file``: the dropped ones in their turn)."""
         if not ended:
             return
         if self.continues:

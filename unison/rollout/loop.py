@@ -153,8 +153,9 @@ class RolloutLoop:
         self.order: list[int] = []
         self.epoch = 0
         self.in_engine: dict[str, _Group] = {}  # request id (as submit returned it) -> its group
-        # What engine steps finished and the scorer has yet to score, in the order they landed.
-        self.scoring: deque[tuple[list[Completion], list[_Group], list[str], list[str], Scoring]] = deque()
+        # What engine steps finished and the scorer has yet to score, in the order they landed: what landed first,
+        # its scoring last, ``_file``'s arguments (the multi-turn loop's: its ended episodes, their scoring).
+        self.scoring: deque[tuple] = deque()
         self.ready: list[Sample] = []
         self.counts = Counter()
         self.window: dict[str, list[float]] = {"reward": [], "length": [], "truncated": []}
