@@ -125,10 +125,7 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
                 "environments, which live in this process: they score inline", cfg.rollout.reward_workers, task.name)
         workers = 0
     rewards = RewardScorer(task.reward_fns, workers, cfg.rollout.reward_timeout_s, asked)
-    # Rank 0's rewards go to its tensor-parallel ranks (and its tool replies, in episodes) over a gloo group: over
-    # NCCL each broadcast would wait for the decode step in flight. A collective: every process makes it.
-    hosts = host_ranks(topology)
-    scorer = BroadcastScorer(rewards, hosts) if hosts is not None else rewards
+    scorer = BroadcastScorer(rewards, topology.tp) if topology.tp is not None else rewards
     # A task with tools or an environment rolls out multi-turn episodes (each one sample) on the same engine.
     loop_cls, episodes = RolloutLoop, {}
     if task.multi_turn:
@@ -138,7 +135,7 @@ def build_run(cfg: TrainConfig, task: Task | None = None) -> Run:
         # Under tensor parallelism rank 0 runs the tools; the ranks agree on their replies over a gloo group.
         loop_cls, episodes = MultiTurnRolloutLoop, {"episode_cfg": cfg.episode, "tools": task.tools,
                                                     "environment_factory": task.environment_factory,
-                                                    "tp": hosts}
+                                                    "tp": host_ranks(topology)}
     rollout = loop_cls(engine, tokenizer, task.rows, task.reward_fns, cfg.rollout, stop_ids, seed=seed,
                        system_prompt=task.system_prompt, max_sample_tokens=row_tokens, scorer=scorer,
                        agreement=ReadyAgreement(topology.dp, cfg.rollout.samples_per_step, cfg.dist.ready_every)
