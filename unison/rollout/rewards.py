@@ -68,21 +68,6 @@ class Scored:
         return self.results
 
 
-class Then:
-    """``scoring``'s results through ``fn`` (once, when first asked for)."""
-
-    def __init__(self, scoring: Scoring, fn):
-        self.scoring, self.fn, self._result = scoring, fn, None
-
-    def done(self) -> bool:
-        return self._result is not None or self.scoring.done()
-
-    def result(self):
-        if self._result is None:
-            self._result = self.fn(self.scoring.result())
-        return self._result
-
-
 class Scorer(Protocol):
     """What the rollout loop scores with: a ``RewardScorer``, or one that runs it elsewhere and shares the results
     (``unison.dist.tensor_parallel.BroadcastScorer``: rank 0 scores for its tensor-parallel ranks)."""

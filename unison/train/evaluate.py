@@ -120,8 +120,8 @@ class Evaluator:
     def _tally(self, scoring: list[tuple[list[str], Scoring]], mine: dict[str, tuple[int, str]]) -> dict[str, float]:
         greedy_ok, greedy_reward, sampled_reward = [], [], []
         per_prompt: dict[int, list[float]] = {}
-        for r, (reward, parts) in ((r, result) for ids, pending in scoring
-                                   for r, result in zip(ids, pending.result(), strict=True)):
+        scored = [(r, result) for ids, pending in scoring for r, result in zip(ids, pending.result(), strict=True)]
+        for r, (reward, parts) in scored:
             i, mode = mine[r]
             correct = float(parts.get(self.correct, 0.0) >= 1.0)
             if mode == "greedy":
