@@ -39,6 +39,9 @@
 #                                     # (reward_cost.realistic_math) inline and in REWARD_WORKERS (default 2) processes
 #                                     # (carry math-verify==0.9.0 latex2sympy2_extended==1.11.0
 #                                     # antlr4-python3-runtime==4.13.2: the image lacks them)
+#   bash bench/speed_gpu.sh decode256 # bench/engine.py at 256 requests DECODE_RUNS times (4) at each of BUDGETS (token
+#                                     # budgets a step, default 8192), then bench/step_timeline.py at each: the prefill
+#                                     # steps' host time, which moves that goal's runs (speed/goals4)
 #   bash bench/speed_gpu.sh multiturn # bench/multiturn.py at 0.6B, staggered turns, engine.prefill_wait_steps 16,
 #                                     # 64 (the default) and 128 (speed/multiturn ran 0, 16, 64), then
 #                                     # bench/loop_overlap.py (the episode loop on the overlapped engine) with the
@@ -197,6 +200,19 @@ PY
       for c in ${IDLE_CONCURRENCY:-256 64}; do
         timeout 150 python3 bench/gpu_idle.py --concurrency $c --json "$out/gpu_idle_$c.json" 2>&1 | quiet 3
       done ;;
+    decode256)  # decode at 256 requests, repeated (the goal whose runs vary): engine.py DECODE_RUNS times (default 4)
+                # at each token budget of BUDGETS (default 8192), alternating, then step_timeline.py once at each
+      (cd bench
+       for r in $(seq ${DECODE_RUNS:-4}); do
+         for t in ${BUDGETS:-8192}; do
+           python3 engine.py --device cuda --shape qwen3-0.6b --concurrency 256 --prompt 128 --new 256 \
+             --max-batch-tokens $t --json "$out/engine_256_${t}_$r.json" 2>&1 | grep "tok/s (" | sed "s/^/[$t #$r] /"
+         done
+       done
+       for t in ${BUDGETS:-8192}; do
+         python3 step_timeline.py --shape qwen3-0.6b --concurrency 256 --max-batch-tokens $t \
+           --json "$out/step_timeline_256_$t.json" 2>&1 | quiet 3
+       done) ;;
     multiturn)
       timeout 300 python3 bench/multiturn.py --device cuda --shape qwen3-0.6b --n 64 --prompt 256 --turns 4 --new 64 \
         --appended 32 --stagger --waits ${WAITS:-16,64,128} --json "$out/multiturn_staggered.json" > "$out/multiturn.out" 2>&1

@@ -33,13 +33,14 @@ def main():
     p.add_argument("--warmup", default="full", choices=["short", "full"],
                    help="as bench/engine.py's: 4 new tokens a request, or the whole workload, on other prompts")
     p.add_argument("--freeze", action="store_true", help="gc.freeze() after the warm-up")
+    p.add_argument("--max-batch-tokens", type=int, default=8192, help="the engine's token budget a step (engine.py's)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     model = build(args.shape, args.device, torch.bfloat16, "unison")
     prompts = prompts_for(model.config.vocab_size, args.concurrency, args.prompt)
     blocks = args.concurrency * -(-(args.prompt + args.new) // 16) + 8
-    engine = Engine(model, EngineConfig(num_blocks=blocks, block_size=16, seed=0, max_batch_tokens=8192,
-                                        max_num_seqs=args.concurrency))
+    engine = Engine(model, EngineConfig(num_blocks=blocks, block_size=16, seed=0,
+                                        max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.concurrency))
     # The warm-up on other prompts, as engine.py's: the run's own would leave 7/8 of each in the prefix cache.
     engine.generate(prompts_for(model.config.vocab_size, args.concurrency, args.prompt, seed=1),
                     SamplingParams(max_new_tokens=args.new if args.warmup == "full" else 4, stop_token_ids=()))
