@@ -303,9 +303,8 @@ class MultiTurnRolloutLoop(RolloutLoop):
         groups = [self.in_engine.pop(rid) for rid, _, _ in ended]  # out of the engine: room to fill
         for rid, _, _ in ended:
             del self.episodes[rid]
-        scoring = self._submit_scoring([(g, ep) for g, (_, ep, dropped) in zip(groups, ended, strict=True)
-                                        if not dropped])
-        self.scoring.append(([(g, ep, dropped) for g, (_, ep, dropped) in zip(groups, ended, strict=True)], scoring))
+        entries = [(g, ep, dropped) for g, (_, ep, dropped) in zip(groups, ended, strict=True)]
+        self.scoring.append((entries, self._submit_scoring([(g, ep) for g, ep, dropped in entries if not dropped])))
         self._file_scored()
 
     def _tool_calls(self, c: Completion, ep: Episode) -> ParsedTurn | None:
@@ -419,9 +418,10 @@ class MultiTurnRolloutLoop(RolloutLoop):
         w["turns"].append(ep.turns)
         w["tool_calls"].append(ep.tool_calls)
         w["tool_s"].append(ep.tool_s)
-        w["model_tokens"].append(sum(ep.mask))
-        w["context_tokens"].append(len(ep.mask) - sum(ep.mask))
-        self.gen_tokens += sum(ep.mask)
+        model_tokens = sum(ep.mask)
+        w["model_tokens"].append(model_tokens)
+        w["context_tokens"].append(len(ep.mask) - model_tokens)
+        self.gen_tokens += model_tokens
 
     def _close(self, group: _EpisodeGroup, group_id: str) -> None:
         scored = [(ep, r, record) for ep, r, record in group.landed if r is not None]

@@ -110,7 +110,7 @@ class RewardWorkers:
         for i, w in enumerate(self.slots):
             if w is None or w.chunk is None:
                 continue
-            if not w.ready:  # a batch's clock starts when its worker has loaded the functions, which has as long
+            if not w.ready:  # loading the functions has timeout_s of its own; a batch's clock starts after it
                 if now - w.started > self.timeout_s:
                     self._break(f"a reward worker did not load the reward functions in {self.timeout_s:g} s "
                                 "(rollout.reward_timeout_s)")
