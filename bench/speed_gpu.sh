@@ -42,6 +42,9 @@
 #   bash bench/speed_gpu.sh decode256 # bench/engine.py at 256 requests DECODE_RUNS times (4) at each of BUDGETS (token
 #                                     # budgets a step, default 8192), then bench/step_timeline.py at each: the prefill
 #                                     # steps' host time, which moves that goal's runs (speed/goals4)
+#   bash bench/speed_gpu.sh pieces    # eager steps as graph pieces (unison/engine/piece_graphs.py): its GPU tests,
+#                                     # then prefill_profile.py (256 x 128) and engine.py at 256 and 64 with
+#                                     # UNISON_PIECE_GRAPHS=0 and =1 alternating, step_timeline.py at 256
 #   bash bench/speed_gpu.sh multiturn # bench/multiturn.py at 0.6B, staggered turns, engine.prefill_wait_steps 16,
 #                                     # 64 (the default) and 128 (speed/multiturn ran 0, 16, 64), then
 #                                     # bench/loop_overlap.py (the episode loop on the overlapped engine) with the
@@ -213,6 +216,32 @@ PY
          python3 step_timeline.py --shape qwen3-0.6b --concurrency 256 --max-batch-tokens $t \
            --json "$out/step_timeline_256_$t.json" 2>&1 | quiet 3
        done) ;;
+    pieces)  # eager steps as graph pieces (unison/engine/piece_graphs.py): PIECES_PARTS, which of "tests prefill
+             # engine timeline" (default all): its GPU tests and the engine's, then UNISON_PIECE_GRAPHS=0 and =1
+             # alternating: bench/prefill_profile.py at 256 x 128 (steps of 8192 tokens), engine.py at 256 and 64,
+             # then step_timeline.py at 256 with the pieces
+      if [[ "${PIECES_PARTS:-tests}" == *tests* ]]; then
+        timeout 240 python3 -m pytest -q -x -m gpu -p no:cacheprovider -s tests/test_piece_graphs_gpu.py \
+          tests/test_row_graphs_gpu.py tests/test_engine_gpu.py > "$out/pieces_gpu_tests.log" 2>&1
+        echo "tests rc=$?"; grep "mean |engine" "$out/pieces_gpu_tests.log"; tail -2 "$out/pieces_gpu_tests.log"
+      fi
+      for on in 0 1 0 1; do
+        [[ "${PIECES_PARTS:-prefill}" == *prefill* ]] && (cd bench && UNISON_PIECE_GRAPHS=$on timeout 90 python3 \
+          prefill_profile.py --shape qwen3-0.6b --concurrency 256 --prompt 128 --rounds 3 --timing-only \
+          --json "$out/prefill_256x128_pieces$on.json" 2>&1 | grep "^round [12]" | sed "s/^/[pieces=$on] /")
+      done
+      for on in 0 1 0 1; do
+        [[ "${PIECES_PARTS:-engine}" == *engine* ]] && (cd bench && UNISON_PIECE_GRAPHS=$on python3 engine.py \
+          --device cuda --shape qwen3-0.6b --concurrency 256 --prompt 128 --new 256 \
+          --json "$out/engine_256_pieces${on}_$RANDOM.json" 2>&1 | grep "tok/s (" | sed "s/^/[pieces=$on 256] /")
+      done
+      for on in 0 1; do
+        [[ "${PIECES_PARTS:-engine}" == *engine* ]] && (cd bench && UNISON_PIECE_GRAPHS=$on python3 engine.py \
+          --device cuda --shape qwen3-0.6b --concurrency 64 --prompt 128 --new 256 \
+          --json "$out/engine_64_pieces$on.json" 2>&1 | grep "tok/s (" | sed "s/^/[pieces=$on 64] /")
+      done
+      [[ "${PIECES_PARTS:-timeline}" == *timeline* ]] && (cd bench && python3 step_timeline.py --shape qwen3-0.6b \
+        --concurrency 256 --json "$out/step_timeline_256_pieces.json" 2>&1 | quiet 3) ;;
     multiturn)
       timeout 300 python3 bench/multiturn.py --device cuda --shape qwen3-0.6b --n 64 --prompt 256 --turns 4 --new 64 \
         --appended 32 --stagger --waits ${WAITS:-16,64,128} --json "$out/multiturn_staggered.json" > "$out/multiturn.out" 2>&1

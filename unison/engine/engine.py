@@ -23,7 +23,7 @@ from ..dist.topology import Topology
 from ..vision import model as vlm
 from ..vision.inputs import Segment, language_inputs
 from ..vision.prompt import ImagePrompt
-from . import mla, moe, parts, row_graphs, state
+from . import mla, moe, parts, piece_graphs, row_graphs, state
 from .attention import NO_MASK
 from .backend import AttentionBackend, PagedBatch, StepLayout, TorchPagedBackend, slots_of
 from .cache import BlockAllocator, KVPool, kv_widths
@@ -87,11 +87,14 @@ class Engine(OverlappedSteps):
                                        local_forward=self.local_forward, states=self.states)
             if self.device.type == "cuda":  # (in Triton's interpreter they cost more than PyTorch's ops)
                 self._fused = self.runner.swaps
-        self.rows = None  # steps with prompt chunks as graph rows (unison.engine.row_graphs); not yet run across GPUs
-        if (self.runner is not None and config.row_graphs and row_graphs.enabled(self.runner.use_graphs)
-                and self.vision is None and tp == 1 and self.states is None and not self.pool.has_latent
-                and not any(map(moe.is_experts_module, model.modules()))):
-            self.rows = row_graphs.RowRunner(self.runner)
+        # Steps with prompt chunks as graph rows (unison.engine.row_graphs), the other eager steps as graph pieces
+        # (unison.engine.piece_graphs): not yet run across GPUs, nor for the models their forward does not cover.
+        plain = (self.runner is not None and self.vision is None and tp == 1 and self.states is None
+                 and not self.pool.has_latent and not any(map(moe.is_experts_module, model.modules())))
+        self.rows = row_graphs.RowRunner(self.runner) if (
+            plain and config.row_graphs and row_graphs.enabled(self.runner.use_graphs)) else None
+        self.pieces = piece_graphs.PieceRunner(self.runner, config.max_batch_tokens) if (
+            plain and config.piece_graphs and piece_graphs.enabled(self.runner.use_graphs)) else None
         # Prefill held for the graph steps' sake: without graphs every step is eager and holding only adds steps.
         self.scheduler = parts.scheduler_for(config, self.allocator, self.states is not None, self.runner is not None)
         self.version = 0
@@ -117,7 +120,8 @@ class Engine(OverlappedSteps):
         self._arrivals = 0
         self._phases: dict[str, float] | None = None
         self._phase_t = 0.0
-        self._counters = {"steps": 0, "graph_steps": 0, "ahead_steps": 0, "row_graph_steps": 0, "tokens_computed": 0,
+        self._counters = {"steps": 0, "graph_steps": 0, "ahead_steps": 0, "row_graph_steps": 0, "piece_graph_steps": 0,
+                          "tokens_computed": 0,
                           "tokens_generated": 0, "step_s": 0.0, "wait_s": 0.0, "kv_lent_bytes": 0,
                           "kv_dropped_tokens": 0}
 
@@ -317,8 +321,9 @@ class Engine(OverlappedSteps):
             kept = (self.states.restore() if self.states is not None else True) and kept
             if not kept and self.runner is not None:
                 self.runner.reset()
-                if self.rows is not None:
-                    self.rows.reset()
+                for graphs in (self.rows, self.pieces):
+                    if graphs is not None:
+                        graphs.reset()
 
     def stats(self) -> dict:
         s = self.scheduler
@@ -400,13 +405,18 @@ class Engine(OverlappedSteps):
             if chunk.samples:
                 sample_at.append(query_start[-1] - 1)
         dev, n = self.device, len(tokens)
+        host = np.concatenate([np.asarray(tokens, dtype=np.int64), *positions, *slots])
+        tables = [c.request.blocks for c in chunks]
+        if self.pieces is not None and self.pieces.takes(n, len(sample_at)):
+            self._counters["piece_graph_steps"] += 1
+            layout = StepLayout(query_start, context_len, tables, self.pieces.meta[2, :n])
+            return self.pieces(host.reshape(3, n), sample_at, layout)
         # The step's tokens, positions, pool slots and sampled rows in one host-to-device copy.
-        host = np.concatenate([np.asarray(tokens, dtype=np.int64), *positions, *slots,
-                               np.asarray(sample_at, dtype=np.int64)])
+        host = np.concatenate([host, np.asarray(sample_at, dtype=np.int64)])
         device = torch.from_numpy(host).to(dev, non_blocking=True)
         ids, position_ids = device[:n].view(1, n), device[n:2 * n].view(1, n)
         sample_rows = device[3 * n:]
-        layout = StepLayout(query_start, context_len, [c.request.blocks for c in chunks], device[2 * n:3 * n])
+        layout = StepLayout(query_start, context_len, tables, device[2 * n:3 * n])
         states = None if self.states is None else state.StepStates.for_chunks(
             self.states, [c.request.state_slot for c in chunks], [c.start for c in chunks],
             [c.length for c in chunks], dev)
