@@ -217,7 +217,7 @@ PY
            --json "$out/step_timeline_256_$t.json" 2>&1 | quiet 3
        done) ;;
     pieces)  # eager steps as graph pieces (unison/engine/piece_graphs.py): PIECES_PARTS, which of "tests prefill
-             # engine timeline" (default all): its GPU tests and the engine's, then UNISON_PIECE_GRAPHS=0 and =1
+             # engine at64 timeline" (default all): its GPU tests and the engine's, then UNISON_PIECE_GRAPHS=0 and =1
              # alternating: bench/prefill_profile.py at 256 x 128 (steps of 8192 tokens), engine.py at 256 and 64,
              # then step_timeline.py at 256 with the pieces
       if [[ "${PIECES_PARTS:-tests}" == *tests* ]]; then
@@ -236,7 +236,7 @@ PY
           --json "$out/engine_256_pieces${on}_$RANDOM.json" 2>&1 | grep "tok/s (" | sed "s/^/[pieces=$on 256] /")
       done
       for on in 0 1; do
-        [[ "${PIECES_PARTS:-engine}" == *engine* ]] && (cd bench && UNISON_PIECE_GRAPHS=$on python3 engine.py \
+        [[ "${PIECES_PARTS:-at64}" == *at64* ]] && (cd bench && UNISON_PIECE_GRAPHS=$on python3 engine.py \
           --device cuda --shape qwen3-0.6b --concurrency 64 --prompt 128 --new 256 \
           --json "$out/engine_64_pieces$on.json" 2>&1 | grep "tok/s (" | sed "s/^/[pieces=$on 64] /")
       done
