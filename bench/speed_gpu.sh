@@ -219,18 +219,20 @@ PY
     pieces)  # eager steps as graph pieces (unison/engine/piece_graphs.py): PIECES_PARTS, which of "tests prefill
              # engine at64 timeline" (default all): its GPU tests and the engine's, then UNISON_PIECE_GRAPHS=0 and =1
              # alternating: bench/prefill_profile.py at 256 x 128 (steps of 8192 tokens), engine.py at 256 and 64,
-             # then step_timeline.py at 256 with the pieces
+             # then step_timeline.py at 256 with the pieces; PIECES_RUNS the order (default "0 1 0 1"),
+             # PIECES_TESTS the test files
       if [[ "${PIECES_PARTS:-tests}" == *tests* ]]; then
-        timeout 240 python3 -m pytest -q -x -m gpu -p no:cacheprovider -s tests/test_piece_graphs_gpu.py \
-          tests/test_row_graphs_gpu.py tests/test_engine_gpu.py > "$out/pieces_gpu_tests.log" 2>&1
+        timeout 240 python3 -m pytest -q -x -m gpu -p no:cacheprovider -s \
+          ${PIECES_TESTS:-tests/test_piece_graphs_gpu.py tests/test_row_graphs_gpu.py tests/test_engine_gpu.py} \
+          > "$out/pieces_gpu_tests.log" 2>&1
         echo "tests rc=$?"; grep "mean |engine" "$out/pieces_gpu_tests.log"; tail -2 "$out/pieces_gpu_tests.log"
       fi
-      for on in 0 1 0 1; do
+      for on in ${PIECES_RUNS:-0 1 0 1}; do
         [[ "${PIECES_PARTS:-prefill}" == *prefill* ]] && (cd bench && UNISON_PIECE_GRAPHS=$on timeout 90 python3 \
           prefill_profile.py --shape qwen3-0.6b --concurrency 256 --prompt 128 --rounds 3 --timing-only \
           --json "$out/prefill_256x128_pieces$on.json" 2>&1 | grep "^round [12]" | sed "s/^/[pieces=$on] /")
       done
-      for on in 0 1 0 1; do
+      for on in ${PIECES_RUNS:-0 1 0 1}; do
         [[ "${PIECES_PARTS:-engine}" == *engine* ]] && (cd bench && UNISON_PIECE_GRAPHS=$on python3 engine.py \
           --device cuda --shape qwen3-0.6b --concurrency 256 --prompt 128 --new 256 \
           --json "$out/engine_256_pieces${on}_$RANDOM.json" 2>&1 | grep "tok/s (" | sed "s/^/[pieces=$on 256] /")

@@ -7,6 +7,9 @@ import pytest
 import torch
 from conftest import max_logprob_diff, random_prompts, record_returns, tiny_llama, tiny_qwen3
 
+from unison.config import load_config
+from unison.train.config import TrainConfig
+
 pytest.importorskip("triton")
 
 from unison.engine import (  # noqa: E402
@@ -15,7 +18,7 @@ from unison.engine import (  # noqa: E402
     SamplingParams,
     fused_layer,
     fused_linear,
-    piece_graphs,  # noqa: E402
+    piece_graphs,
 )
 
 PARAMS = SamplingParams(max_new_tokens=3, temperature=1.0, stop_token_ids=(), seed=3)
@@ -114,14 +117,20 @@ def test_padding_writes_only_the_scratch_block(monkeypatch):
 
 
 def test_pieces_off_and_past_the_budget(monkeypatch):
-    """Off unless the engine captures graphs (the CPU) or ``UNISON_PIECE_GRAPHS=1``; ``engine.piece_graphs=false``
-    turns them off; a step of more tokens than the budget (decoding rows past it) or more sampled rows than the
+    """Off by default, and without graphs (the CPU) even where ``engine.piece_graphs=true``; ``UNISON_PIECE_GRAPHS``
+    decides where set; a step of more tokens than the budget (decoding rows past it) or more sampled rows than the
     logits buffer holds runs eagerly."""
     model = tiny_qwen3()
     monkeypatch.delenv("UNISON_PIECE_GRAPHS", raising=False)
-    assert Engine(model, EngineConfig(num_blocks=32, block_size=4, attention="triton")).pieces is None
+    assert EngineConfig().piece_graphs is False
+    assert load_config(TrainConfig, overrides=["--engine.piece_graphs=true"]).engine.piece_graphs is True
+    for on in (False, True):
+        assert Engine(model, EngineConfig(num_blocks=32, block_size=4, attention="triton",
+                                          piece_graphs=on)).pieces is None
+    assert piece_graphs.enabled(True, True) and not piece_graphs.enabled(False, True)
+    monkeypatch.setenv("UNISON_PIECE_GRAPHS", "0")
+    assert not piece_graphs.enabled(True, True)
     monkeypatch.setenv("UNISON_PIECE_GRAPHS", "1")
-    assert Engine(model, EngineConfig(num_blocks=32, block_size=4, attention="triton",
-                                      piece_graphs=False)).pieces is None
+    assert piece_graphs.enabled(False, False)
     runner = _engine(model, True, monkeypatch).pieces
     assert runner.takes(40, 4) and not runner.takes(41, 1) and not runner.takes(8, 5) and not runner.takes(0, 0)

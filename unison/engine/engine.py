@@ -94,7 +94,7 @@ class Engine(OverlappedSteps):
         self.rows = row_graphs.RowRunner(self.runner) if (
             plain and config.row_graphs and row_graphs.enabled(self.runner.use_graphs)) else None
         self.pieces = piece_graphs.PieceRunner(self.runner, config.max_batch_tokens) if (
-            plain and config.piece_graphs and piece_graphs.enabled(self.runner.use_graphs)) else None
+            plain and piece_graphs.enabled(config.piece_graphs, self.runner.use_graphs)) else None
         # Prefill held for the graph steps' sake: without graphs every step is eager and holding only adds steps.
         self.scheduler = parts.scheduler_for(config, self.allocator, self.states is not None, self.runner is not None)
         self.version = 0

@@ -16,9 +16,9 @@ runs eagerly over the first n of them into a second buffer, and the next piece r
 attends to them and no layer mixes rows, so they change nothing but the work. The sampled rows' logits come out in
 the decode runner's one buffer.
 
-On wherever the row graphs are (same models; ``EngineConfig.piece_graphs=False`` or ``UNISON_PIECE_GRAPHS=0`` turns
-it off). Without CUDA (the CPU tests, ``UNISON_PIECE_GRAPHS=1``) the same forward runs eagerly through the same
-buffers, each cut attending at once.
+For the row graphs' models; off by default until it has run on a GPU (``EngineConfig.piece_graphs``,
+``UNISON_PIECE_GRAPHS=1``). Without CUDA (the CPU tests, ``UNISON_PIECE_GRAPHS=1``) the same forward runs eagerly
+through the same buffers, each cut attending at once.
 """
 
 from __future__ import annotations
@@ -44,10 +44,11 @@ def ladder(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
-def enabled(use_graphs: bool) -> bool:
-    """On where the engine captures graphs, unless ``UNISON_PIECE_GRAPHS=0``; ``=1`` takes it eagerly too."""
+def enabled(configured: bool, use_graphs: bool) -> bool:
+    """``EngineConfig.piece_graphs`` where the engine captures graphs; ``UNISON_PIECE_GRAPHS=1`` turns it on (eagerly
+    without graphs: the CPU tests) and ``=0`` off, whatever the config says."""
     env = os.environ.get("UNISON_PIECE_GRAPHS")
-    return use_graphs if env is None else env == "1"
+    return configured and use_graphs if env is None else env == "1"
 
 
 @dataclass
