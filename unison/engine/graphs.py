@@ -204,6 +204,20 @@ class DecodeRunner:
         graph, first = self.capture(forward)
         return (graph, self.logits[:b], states), first
 
+    def sampled_forward(self, meta: torch.Tensor, batch: PagedBatch,
+                        sample: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """The forward of a step of prompt tokens (the row graphs', the pieces'): the decoder over the tokens
+        ``meta[0]`` at positions ``meta[1]`` through ``batch``, then the lm_head of the rows ``sample`` into the logits
+        buffer, which it returns."""
+        ids, positions = meta[0:1], meta[1:2]
+
+        def forward() -> torch.Tensor:
+            with torch.inference_mode(), self.swaps(), self.local_forward():
+                hidden = self.decoder(input_ids=ids, position_ids=positions, attention_mask=NO_MASK, paged=batch,
+                                      use_cache=False).last_hidden_state[0]
+                return self.lm_head(hidden.index_select(0, sample), out=self.logits)
+        return forward
+
     def capture(self, forward: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """(graph, this step's output): ``forward`` run once on a side stream (kernel compilation, library handles;
         its output is the step's, and the graph first replays at the next step), then captured into the runner's

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import NO_MASK
 from .backend import PagedBatch, StepLayout
 from .graphs import DecodeRunner, no_collection
 
@@ -137,23 +136,12 @@ class PieceRunner:
         finally:
             self._state = None
 
-    def _forward(self, b: int):
-        r = self.runner
-        batch = _CutBatch(self, self.meta[2, :b])
-        ids, positions = self.meta[0:1, :b], self.meta[1:2, :b]
-
-        def forward() -> torch.Tensor:
-            with torch.inference_mode(), r.swaps(), r.local_forward():
-                hidden = r.decoder(input_ids=ids, position_ids=positions, attention_mask=NO_MASK, paged=batch,
-                                   use_cache=False).last_hidden_state[0]
-                return r.lm_head(hidden.index_select(0, self.sample), out=self.logits)
-        return forward
-
     def _captured(self, b: int):
         """((pieces, cuts), this step's logits): eagerly where there are no graphs (``pieces`` is then the forward
         itself, run at every step); else the step runs once on the warm-up stream (its output is the step's), then
         the forward is captured piece by piece into the decode runner's memory pool."""
-        r, forward = self.runner, self._forward(b)
+        r = self.runner
+        forward = r.sampled_forward(self.meta[:, :b], _CutBatch(self, self.meta[2, :b]), self.sample)
         if not r.use_graphs:
             return ([_Eager(forward)], []), None
         side = r.warm_stream

@@ -28,7 +28,6 @@ import os
 import numpy as np
 import torch
 
-from .attention import NO_MASK
 from .backend import PagedBatch, slots_of
 from .graphs import DecodeRunner
 from .scheduler import ScheduledChunk
@@ -135,15 +134,8 @@ class RowRunner:
         # One split: a row's context is at most its chunk's end, and rows are many.
         state = r.backend.decode_state(self.tables[:b], self.meta[3, :b], 1)
         state.rows_share_context = True  # K/V written before any row attends: never the one launch
-        batch = PagedBatch(r.pool, r.backend, self.meta[2, :b], state)
-        ids, positions = self.meta[0:1, :b], self.meta[1:2, :b]
-
-        def forward() -> torch.Tensor:
-            with torch.inference_mode(), r.swaps(), r.local_forward():
-                hidden = r.decoder(input_ids=ids, position_ids=positions, attention_mask=NO_MASK, paged=batch,
-                                   use_cache=False).last_hidden_state[0]
-                return r.lm_head(hidden.index_select(0, self.sample), out=self.logits)
-
+        forward = r.sampled_forward(self.meta[:, :b], PagedBatch(r.pool, r.backend, self.meta[2, :b], state),
+                                    self.sample)
         if not r.use_graphs:
             return (None, forward), None
         graph, first = r.capture(forward)
