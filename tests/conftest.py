@@ -62,6 +62,15 @@ def record_returns(monkeypatch, cls, name: str = "__call__") -> list:
     return returned
 
 
+def drain(engine) -> list:
+    """Steps ``engine`` until nothing is left; its completions in request order, a request's turns by prompt
+    length."""
+    done = []
+    while engine.num_unfinished:
+        done += engine.step()
+    return sorted(done, key=lambda c: (c.request_id, len(c.prompt_ids)))
+
+
 def random_prompts(lengths, vocab: int = 256, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import max_logprob_diff, random_prompts, record_returns, tiny_llama, tiny_qwen3
+from conftest import drain, max_logprob_diff, random_prompts, record_returns, tiny_llama, tiny_qwen3
 
 from unison.config import load_config
 from unison.train.config import TrainConfig
@@ -36,17 +36,10 @@ def _run(engine: Engine) -> list:
     (chunked prefill beside decoding rows), steps of chunks alone, appended turns over a cached context."""
     ids = [engine.submit(p, SamplingParams(**{**PARAMS.__dict__, "n": n}), continuable=True)
            for p, n in zip(random_prompts([23, 50, 9], seed=5), (1, 2, 1), strict=True)]
-    first = _drain(engine)
+    first = drain(engine)
     for rid, tool in zip([i[0] for i in ids], random_prompts([13, 3, 22], seed=6), strict=True):
         engine.extend(rid, tool)
-    return first + _drain(engine)
-
-
-def _drain(engine: Engine) -> list:
-    done = []
-    while engine.num_unfinished:
-        done += engine.step()
-    return sorted(done, key=lambda c: (c.request_id, len(c.prompt_ids)))
+    return first + drain(engine)
 
 
 def test_ladder():

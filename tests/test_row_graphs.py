@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import count_calls, max_logprob_diff, random_prompts, record_returns, tiny_llama, tiny_qwen3
+from conftest import count_calls, drain, max_logprob_diff, random_prompts, record_returns, tiny_llama, tiny_qwen3
 
 from unison.config import load_config
 from unison.train.config import TrainConfig
@@ -35,17 +35,10 @@ def _turns(engine: Engine) -> list:
     """Two prompts (one sampled four times), then each first-turn request continued with appended tokens."""
     ids = [engine.submit(p, PARAMS if n == 1 else SamplingParams(**{**PARAMS.__dict__, "n": n}), continuable=True)
            for p, n in zip(random_prompts([7, 12], seed=5), (1, 2), strict=True)]
-    first = _drain(engine)
+    first = drain(engine)
     for rid, tool in zip([i[0] for i in ids], random_prompts([5, 9], seed=6), strict=True):
         engine.extend(rid, tool)
-    return first + _drain(engine)
-
-
-def _drain(engine: Engine) -> list:
-    done = []
-    while engine.num_unfinished:
-        done += engine.step()
-    return sorted(done, key=lambda c: (c.request_id, len(c.prompt_ids)))
+    return first + drain(engine)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["modules", "fused_layers"])
@@ -116,7 +109,7 @@ def test_every_graph_step_writes_one_logits_buffer(monkeypatch):
     rowed = record_returns(monkeypatch, row_graphs.RowRunner)
     for prompt, new in zip(random_prompts([7, 12, 5, 9], seed=5), (2, 3, 5, 8), strict=True):
         engine.submit(prompt, SamplingParams(max_new_tokens=new, temperature=1.0, stop_token_ids=()))
-    done = _drain(engine)
+    done = drain(engine)
     assert {len(out) for out in decoded} >= {1, 2, 3, 4} and rowed  # the ladder's 1, 2 and 4
     buffer = engine.runner.logits.untyped_storage().data_ptr()
     assert all(out.untyped_storage().data_ptr() == buffer for out in decoded + rowed)

@@ -121,8 +121,7 @@ class Engine(OverlappedSteps):
         self._phases: dict[str, float] | None = None
         self._phase_t = 0.0
         self._counters = {"steps": 0, "graph_steps": 0, "ahead_steps": 0, "row_graph_steps": 0, "piece_graph_steps": 0,
-                          "tokens_computed": 0,
-                          "tokens_generated": 0, "step_s": 0.0, "wait_s": 0.0, "kv_lent_bytes": 0,
+                          "tokens_computed": 0, "tokens_generated": 0, "step_s": 0.0, "wait_s": 0.0, "kv_lent_bytes": 0,
                           "kv_dropped_tokens": 0}
 
     def _default_backend(self, kernels: str, kv_heads: int) -> AttentionBackend:

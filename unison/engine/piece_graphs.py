@@ -93,7 +93,8 @@ class PieceRunner:
         self.logits = runner.logits
         self.buffers: dict[tuple, torch.Tensor] = {}  # the cuts' query and output buffers, by shape and dtype
         self.graphs: dict[int, tuple[list[torch.cuda.CUDAGraph], list[_Cut]]] = {}
-        self._capture: list | None = None  # while capturing: [graph being captured, pieces, cuts]
+        self._pieces: list | None = None  # while capturing: the pieces so far, the last the one being captured
+        self._cuts: list[_Cut] = []  # ... and the cuts between them
         self._n = 0  # the step's real tokens
         self._state = None  # the step's attention state (``AttentionBackend.prepare``)
 
@@ -151,22 +152,21 @@ class PieceRunner:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         with no_collection(), torch.cuda.stream(side):
-            self._capture = [self._begin(), [], []]
+            pieces, cuts = self._pieces, self._cuts = [self._begin()], []
             try:
                 forward()
-                graph, pieces, cuts = self._capture
-                graph.capture_end()
+                pieces[-1].capture_end()
             except BaseException:
                 try:
-                    self._capture[0].capture_end()
+                    pieces[-1].capture_end()
                 except RuntimeError:
                     pass  # (already ended, or the capture itself failed)
                 raise
             finally:
-                self._capture = None
+                self._pieces, self._cuts = None, []
         torch.cuda.current_stream().wait_stream(side)
         r.num_captured += 1
-        return (pieces + [graph], cuts), first
+        return (pieces, cuts), first
 
     def _begin(self) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
@@ -183,14 +183,12 @@ class PieceRunner:
         cut = _Cut(layer, scale, window, sinks, softcap, self._buffer(q.shape[1:], q.dtype),
                    self._buffer((q.shape[1], width), q.dtype, "out"))
         cut.query[:t].copy_(q)
-        if self._capture is None:
+        if self._pieces is None:
             self._attend(cut)
         else:
-            graph, pieces, cuts = self._capture
-            graph.capture_end()
-            pieces.append(graph)
-            cuts.append(cut)
-            self._capture[0] = self._begin()
+            self._pieces[-1].capture_end()
+            self._cuts.append(cut)
+            self._pieces.append(self._begin())
         return cut.out[:t]
 
     def _attend(self, cut: _Cut) -> None:
