@@ -110,13 +110,13 @@ def test_padding_writes_only_the_scratch_block(monkeypatch):
 
 
 def test_pieces_off_and_past_the_budget(monkeypatch):
-    """Off by default, and without graphs (the CPU) even where ``engine.piece_graphs=true``; ``UNISON_PIECE_GRAPHS``
+    """On by default, yet off without graphs (the CPU) whatever ``engine.piece_graphs`` says; ``UNISON_PIECE_GRAPHS``
     decides where set; a step of more tokens than the budget (decoding rows past it) or more sampled rows than the
     logits buffer holds runs eagerly."""
     model = tiny_qwen3()
     monkeypatch.delenv("UNISON_PIECE_GRAPHS", raising=False)
-    assert EngineConfig().piece_graphs is False
-    assert load_config(TrainConfig, overrides=["--engine.piece_graphs=true"]).engine.piece_graphs is True
+    assert EngineConfig().piece_graphs is True
+    assert load_config(TrainConfig, overrides=["--engine.piece_graphs=false"]).engine.piece_graphs is False
     for on in (False, True):
         assert Engine(model, EngineConfig(num_blocks=32, block_size=4, attention="triton",
                                           piece_graphs=on)).pieces is None

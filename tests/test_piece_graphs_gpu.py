@@ -60,15 +60,15 @@ def test_piece_graphs_at_the_bf16_floor(monkeypatch):
     assert gaps[True] < 1.25 * gaps[False] + 1e-4
 
 
-def test_piece_graphs_off_by_default_on_the_gpu(monkeypatch):
-    """Unset, ``UNISON_PIECE_GRAPHS`` leaves ``EngineConfig.piece_graphs`` to decide (off by default); ``0`` turns
+def test_piece_graphs_on_by_default_on_the_gpu(monkeypatch):
+    """Unset, ``UNISON_PIECE_GRAPHS`` leaves ``EngineConfig.piece_graphs`` to decide (on by default); ``0`` turns
     them off."""
     model = Qwen3ForCausalLM._from_config(Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512,
                                                       num_hidden_layers=2, num_attention_heads=4,
                                                       num_key_value_heads=2, head_dim=64),
                                           attn_implementation="unison", dtype=torch.bfloat16).cuda().eval()
     monkeypatch.delenv("UNISON_PIECE_GRAPHS", raising=False)
-    assert Engine(model, EngineConfig(num_blocks=64, block_size=16)).pieces is None
-    assert Engine(model, EngineConfig(num_blocks=64, block_size=16, piece_graphs=True)).pieces is not None
+    assert Engine(model, EngineConfig(num_blocks=64, block_size=16)).pieces is not None
+    assert Engine(model, EngineConfig(num_blocks=64, block_size=16, piece_graphs=False)).pieces is None
     monkeypatch.setenv("UNISON_PIECE_GRAPHS", "0")
     assert Engine(model, EngineConfig(num_blocks=64, block_size=16, piece_graphs=True)).pieces is None

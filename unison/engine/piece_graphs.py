@@ -16,8 +16,8 @@ runs eagerly over the first n of them into a second buffer, and the next piece r
 attends to them and no layer mixes rows, so they change nothing but the work. The sampled rows' logits come out in
 the decode runner's one buffer.
 
-For the row graphs' models; off by default until it has run on a GPU (``EngineConfig.piece_graphs``,
-``UNISON_PIECE_GRAPHS=1``). Without CUDA (the CPU tests, ``UNISON_PIECE_GRAPHS=1``) the same forward runs eagerly
+For the row graphs' models; on by default (``EngineConfig.piece_graphs``; ``UNISON_PIECE_GRAPHS=0`` or ``=1``
+decides where set). Without CUDA (the CPU tests, ``UNISON_PIECE_GRAPHS=1``) the same forward runs eagerly
 through the same buffers, each cut attending at once.
 """
 

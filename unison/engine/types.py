@@ -51,12 +51,11 @@ class EngineConfig:
     1.25-1.37 s (bench/results/h100/speed/rows). Taken within 2048 rows and 6 GiB of keys and values a layer (fewer
     rows for larger models); not for vision prompts, hybrid layer states, MLA caches, experts or tensor parallelism.
     Needs cuda_graphs; ``UNISON_ROW_GRAPHS=0`` turns it off too."""
-    piece_graphs: bool = False
+    piece_graphs: bool = True
     """The other eager steps (more prompt tokens than the row graphs take: long prompts, a large token budget) through
     CUDA graphs captured in pieces, one a layer, per padded token count up to max_batch_tokens; each layer's attention
-    runs eagerly between two (unison.engine.piece_graphs). Same models as row_graphs; needs cuda_graphs. Off until it
-    has run on a GPU (its CPU tests run the same buffers eagerly); ``UNISON_PIECE_GRAPHS=1`` or ``=0`` decides
-    whatever this says."""
+    runs eagerly between two (unison.engine.piece_graphs). Same models as row_graphs; needs cuda_graphs.
+    ``UNISON_PIECE_GRAPHS=1`` or ``=0`` decides whatever this says."""
     async_scheduling: bool = True
     """Overlap the host's work with the device's in decode-only steps through the runner (cuda_graphs): the next step
     is launched, fed the tokens the last one sampled on the device, before those are read back (unison.engine.overlap).
