@@ -242,8 +242,8 @@ PY
           --device cuda --shape qwen3-0.6b --concurrency 64 --prompt 128 --new 256 \
           --json "$out/engine_64_pieces$on.json" 2>&1 | grep "tok/s (" | sed "s/^/[pieces=$on 64] /")
       done
-      [[ "${PIECES_PARTS:-timeline}" == *timeline* ]] && (cd bench && UNISON_PIECE_GRAPHS=1 python3 step_timeline.py --shape qwen3-0.6b \
-        --concurrency 256 --json "$out/step_timeline_256_pieces.json" 2>&1 | quiet 3) ;;
+      [[ "${PIECES_PARTS:-timeline}" == *timeline* ]] && (cd bench && UNISON_PIECE_GRAPHS=1 python3 step_timeline.py \
+        --shape qwen3-0.6b --concurrency 256 --json "$out/step_timeline_256_pieces.json" 2>&1 | quiet 3) ;;
     multiturn)
       timeout 300 python3 bench/multiturn.py --device cuda --shape qwen3-0.6b --n 64 --prompt 256 --turns 4 --new 64 \
         --appended 32 --stagger --waits ${WAITS:-16,64,128} --json "$out/multiturn_staggered.json" > "$out/multiturn.out" 2>&1
