@@ -218,15 +218,20 @@ class DecodeRunner:
                 return self.lm_head(hidden.index_select(0, sample), out=self.logits)
         return forward
 
-    def capture(self, forward: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """(graph, this step's output): ``forward`` run once on a side stream (kernel compilation, library handles;
-        its output is the step's, and the graph first replays at the next step), then captured into the runner's
-        memory pool. The row graphs capture through this too."""
+    def warm_up(self, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``forward`` run once on the side stream before its capture (kernel compilation, library handles), the
+        streams joined after: its output is the step's, and the graph first replays at the next step."""
         side = self.warm_stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             first = forward()
         torch.cuda.current_stream().wait_stream(side)
+        return first
+
+    def capture(self, forward: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """(graph, this step's output): ``forward`` warmed up (``warm_up``), then captured into the runner's memory
+        pool. The row graphs capture through this too; the graph pieces warm up alike."""
+        first = self.warm_up(forward)
         graph = torch.cuda.CUDAGraph()
         with no_collection(), torch.cuda.graph(graph, pool=self.mempool):
             forward()

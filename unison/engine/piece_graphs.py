@@ -145,13 +145,9 @@ class PieceRunner:
         forward = r.sampled_forward(self.meta[:, :b], _CutBatch(self, self.meta[2, :b]), self.sample)
         if not r.use_graphs:
             return ([_Eager(forward)], []), None
-        side = r.warm_stream
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            first = forward()
-        torch.cuda.current_stream().wait_stream(side)
+        first = r.warm_up(forward)
         torch.cuda.synchronize()
-        with no_collection(), torch.cuda.stream(side):
+        with no_collection(), torch.cuda.stream(r.warm_stream):
             pieces, cuts = self._pieces, self._cuts = [self._begin()], []
             try:
                 forward()
@@ -164,7 +160,7 @@ class PieceRunner:
                 raise
             finally:
                 self._pieces, self._cuts = None, []
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(r.warm_stream)
         r.num_captured += 1
         return (pieces, cuts), first
 
