@@ -45,6 +45,9 @@
 #   bash bench/speed_gpu.sh pieces    # eager steps as graph pieces (unison/engine/piece_graphs.py): its GPU tests,
 #                                     # then prefill_profile.py (256 x 128) and engine.py at 256 and 64 with
 #                                     # UNISON_PIECE_GRAPHS=0 and =1 alternating, step_timeline.py at 256
+#   bash bench/speed_gpu.sh suite     # every GPU test (pytest -m gpu) in one run: suite.log, the slowest 25
+#   bash bench/speed_gpu.sh pieceprofile # bench/prefill_profile.py profiled (256 x 128, 8192-token steps), with
+#                                     # UNISON_PIECE_GRAPHS=0 then =1: the step's kernels and host operators each way
 #   bash bench/speed_gpu.sh multiturn # bench/multiturn.py at 0.6B, staggered turns, engine.prefill_wait_steps 16,
 #                                     # 64 (the default) and 128 (speed/multiturn ran 0, 16, 64), then
 #                                     # bench/loop_overlap.py (the episode loop on the overlapped engine) with the
@@ -287,6 +290,17 @@ PY
           > "$out/multiturn_rows$on.out" 2>&1
         python3 -c "import json, sys; [print('rows=$on', r['mode'], r['prefill_wait_steps'], round(r['wall_s'], 3),
           r['steps'], r['eager_steps'], r['row_graph_steps']) for r in json.load(open(sys.argv[1]))['results']]" "$out/multiturn_rows$on.json"
+      done ;;
+    suite)  # every GPU test (-m gpu) in one run, SUITE_LIMIT seconds (default 420): the log and the slowest tests
+      timeout ${SUITE_LIMIT:-420} python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs --durations=25 tests \
+        > "$out/suite.log" 2>&1
+      echo "suite rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/suite.log" | tail -12 ;;
+    pieceprofile)  # one 8192-token prefill step (256 x 128) under torch.profiler and cProfile, the pieces off then on
+      for on in 0 1; do
+        (cd bench && UNISON_PIECE_GRAPHS=$on timeout 120 python3 prefill_profile.py --shape qwen3-0.6b \
+          --concurrency 256 --prompt 128 --rounds 3 --json "$out/prefill_profile_pieces$on.json" \
+          > "$out/prefill_profile_pieces$on.out" 2>&1; echo "[pieces=$on] rc=$? $(grep -o '"full_step_ms_median.*' \
+          "$out/prefill_profile_pieces$on.out" | tail -1)")
       done ;;
     tests)
       timeout "${LIMIT:-300}" python3 -m pytest -q -x -s -p no:cacheprovider ${TESTS:-tests/test_fused_train_gpu.py \
