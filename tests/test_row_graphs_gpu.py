@@ -33,6 +33,7 @@ def test_row_graphs_at_the_bf16_floor(monkeypatch):
     rowed = record_returns(monkeypatch, row_graphs.RowRunner)
     for rows in (True, False):
         monkeypatch.setenv("UNISON_ROW_GRAPHS", "1" if rows else "0")
+        monkeypatch.setenv("UNISON_PIECE_GRAPHS", "0")  # the rows against the eager step (not the graph pieces')
         engine = Engine(model, EngineConfig(num_blocks=2048, block_size=16, max_num_seqs=64, seed=0))
         for prompt in random_prompts([64] * 8, vocab=4096, seed=1):
             engine.submit(prompt, params, continuable=True)
