@@ -9,6 +9,14 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels run in Triton's interpreter on the CPU
+if os.environ.get("TRITON_INTERPRET"):
+    import triton_interpreter
+
+    if not triton_interpreter.speed_up():  # its device calls without their re-patching (tests/triton_interpreter.py)
+        import warnings
+
+        warnings.warn("Triton's interpreter is not the one tests/triton_interpreter.py reads: the Triton tests run "
+                      "at its own (slower) pace", stacklevel=1)
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import unison.engine.attention  # noqa: F401  (registers the "unison" attention implementation)

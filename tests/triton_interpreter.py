@@ -1,0 +1,72 @@
+"""Triton's interpreter (the CPU tests' way of running the engine's and the trainer's kernels), with its device-call
+overhead taken out.
+
+Each call of a ``@triton.jit`` helper inside a kernel re-patches ``triton.language`` for the interpreter
+(``InterpretedFunction.__call__`` -> ``_patch_lang``): ``inspect.getmembers`` over ``tl``, ``tl.tensor``,
+``tl.math`` and ``tl.core.tensor_descriptor_base``, sorted, to find the builtins to wrap, ~3 ms a call. The kernels
+call helpers once per program instance, so a test of the Triton engine spent about a third of its time there
+(cProfile of ``test_prefill_wait``'s staggered episodes: 90 of 280 s in ``_patch_builtin``).
+
+``speed_up()`` keeps the interpreter's semantics and drops that search: the names holding builtins in each of those
+namespaces are listed once, here, before any kernel runs (nothing is patched yet), and ``_patch_builtin`` then wraps
+whichever of those names still holds a builtin, as it did. The set of builtins is fixed when triton.language
+is imported (a patch swaps a builtin for its wrapper, a restore puts it back), so the wrappers are the same. Where
+the interpreter's internals differ from what this reads (Triton 3.9's), nothing is changed. It also remembers
+``_get_np_dtype``'s answers (the interpreter builds a dict of 19 numpy dtypes at each of its calls, ~40 us, and
+calls it for most operations: another 16 s there), keyed on the Triton type's class and value, which alone decide it.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+
+def speed_up() -> bool:
+    """Patch the interpreter's ``_patch_builtin`` (see the module's docstring); False where its internals are not
+    the ones read here (then nothing is changed)."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    original = getattr(interpreter, "_patch_builtin", None)
+    patch_attr = getattr(interpreter, "_patch_attr", None)
+    if original is None or patch_attr is None or getattr(original, "_unison_fast", False):
+        return False
+    if list(inspect.signature(original).parameters) != ["pkg", "builder", "scope"]:
+        return False
+    builtins: dict[int, tuple[object, tuple[str, ...]]] = {}
+    for pkg in (tl, tl.core, tl.tensor, tl.math, getattr(tl.core, "tensor_descriptor_base", None)):
+        if pkg is not None:
+            names = tuple(name for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member))
+            builtins[id(pkg)] = (pkg, names)
+
+    def _patch_builtin(pkg, builder, scope):
+        known = builtins.get(id(pkg))
+        if known is None or known[0] is not pkg:
+            return original(pkg, builder, scope)
+        for name in known[1]:
+            member = getattr(pkg, name, None)
+            if tl.core.is_builtin(member):
+                patch_attr(pkg, name, member, builder, scope)
+
+    _patch_builtin._unison_fast = True
+    _patch_builtin.original = original
+    interpreter._patch_builtin = _patch_builtin
+    np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    if np_dtype is not None:
+        known_dtypes: dict = {}
+
+        def _get_np_dtype(tt_dtype):
+            key = (type(tt_dtype), tt_dtype)
+            try:
+                return known_dtypes[key]
+            except KeyError:
+                known_dtypes[key] = found = np_dtype(tt_dtype)
+                return found
+            except TypeError:  # (unhashable: not a Triton type; the interpreter's own answer or error)
+                return np_dtype(tt_dtype)
+
+        _get_np_dtype.original = np_dtype
+        interpreter._get_np_dtype = _get_np_dtype
+    return True
