@@ -35,17 +35,14 @@ def speed_up() -> bool:
         return False
     if list(inspect.signature(original).parameters) != ["pkg", "builder", "scope"]:
         return False
-    builtins: dict[int, tuple[object, tuple[str, ...]]] = {}
-    for pkg in (tl, tl.core, tl.tensor, tl.math, getattr(tl.core, "tensor_descriptor_base", None)):
-        if pkg is not None:
-            names = tuple(name for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member))
-            builtins[id(pkg)] = (pkg, names)
+    builtins = {pkg: tuple(name for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member))
+                for pkg in (tl, tl.core, tl.tensor, tl.math, getattr(tl.core, "tensor_descriptor_base", None))
+                if pkg is not None}  # (modules and classes: keyed by identity)
 
     def _patch_builtin(pkg, builder, scope):
-        known = builtins.get(id(pkg))
-        if known is None or known[0] is not pkg:
+        if pkg not in builtins:
             return original(pkg, builder, scope)
-        for name in known[1]:
+        for name in builtins[pkg]:
             member = getattr(pkg, name, None)
             if tl.core.is_builtin(member):
                 patch_attr(pkg, name, member, builder, scope)
