@@ -8,7 +8,7 @@ import pytest
 interpreter = pytest.importorskip("triton.runtime.interpreter")
 import triton.language as tl  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not getattr(interpreter._patch_builtin, "_unison_fast", False),
+pytestmark = pytest.mark.skipif(not hasattr(interpreter._patch_builtin, "original"),
                                 reason="the CPU tests' interpreter (TRITON_INTERPRET) is not in use")
 NAMESPACES = [tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base]
 

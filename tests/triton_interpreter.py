@@ -31,7 +31,7 @@ def speed_up() -> bool:
         return False
     original = getattr(interpreter, "_patch_builtin", None)
     patch_attr = getattr(interpreter, "_patch_attr", None)
-    if original is None or patch_attr is None or getattr(original, "_unison_fast", False):
+    if original is None or patch_attr is None or hasattr(original, "original"):  # (absent, or patched already)
         return False
     if list(inspect.signature(original).parameters) != ["pkg", "builder", "scope"]:
         return False
@@ -47,7 +47,6 @@ def speed_up() -> bool:
             if tl.core.is_builtin(member):
                 patch_attr(pkg, name, member, builder, scope)
 
-    _patch_builtin._unison_fast = True
     _patch_builtin.original = original
     interpreter._patch_builtin = _patch_builtin
     np_dtype = getattr(interpreter, "_get_np_dtype", None)
