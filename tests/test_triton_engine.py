@@ -7,7 +7,7 @@ import gc
 
 import pytest
 import torch
-from conftest import max_logprob_diff, random_prompts, tiny_llama, tiny_qwen3
+from conftest import max_logprob_diff, random_prompts, record_returns, tiny_llama, tiny_qwen3
 
 from unison.engine import Engine, EngineConfig, SamplingParams
 
@@ -17,6 +17,7 @@ from unison.engine.fused_norm import fused_norms  # noqa: E402
 from unison.engine.fused_rope import fused_rope, rope  # noqa: E402
 from unison.engine.graphs import batch_ladder, no_collection  # noqa: E402
 from unison.engine.triton_attention import num_splits, paged_decode, pipeline_stages  # noqa: E402
+from unison.engine.triton_backend import TritonPagedBackend  # noqa: E402
 from unison.engine.triton_sampler import FusedSampler, fused_sample  # noqa: E402
 
 
@@ -152,15 +153,19 @@ def triton_engine(model, **kw) -> Engine:
     return Engine(model, EngineConfig(**cfg))
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen3])
-def test_triton_engine_logprobs_and_padding(make):
+@pytest.mark.parametrize("make,multiprocessors,splits", [(tiny_llama, None, 1), (tiny_qwen3, 8, 2)])
+def test_triton_engine_logprobs_and_padding(make, multiprocessors, splits, monkeypatch):
     """Mixed steps (eager, kernel + per-request prefill) and decode-only steps (the runner, at padded ladder
-    sizes: 5 requests run at 8) give teacher-forced logprobs."""
+    sizes: 5 requests run at 8) give teacher-forced logprobs: with one split (the interpreter's plan) and with
+    two (planned for eight multiprocessors: 8 sequences x 1 KV head, the runner's 512 keys) and their combine."""
+    planned = record_returns(monkeypatch, TritonPagedBackend, "splits_for")
     model = make()
     engine = triton_engine(model)
+    engine.backend.multiprocessors = multiprocessors or engine.backend.multiprocessors
     done = engine.generate(random_prompts([5, 11, 17, 2, 9]), SamplingParams(max_new_tokens=12, stop_token_ids=()))
     stats = engine.stats()
     assert stats["graph_steps"] >= 10 and engine.runner.graphs.keys() >= {8}
+    assert splits in planned and max(planned) == splits
     assert max_logprob_diff(model, done) < 1e-4
 
 

@@ -1,12 +1,16 @@
 """tests/triton_interpreter.py: the interpreter's device calls without their re-patching wrap exactly what the
-interpreter wraps, and its dtype answers are the interpreter's."""
+interpreter wraps, its dtype answers are the interpreter's, and a device call inside a kernel that patched its
+language runs without a patch of its own."""
 
 from __future__ import annotations
 
 import pytest
 
 interpreter = pytest.importorskip("triton.runtime.interpreter")
+import torch  # noqa: E402
+import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from conftest import count_calls  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not hasattr(interpreter._patch_builtin, "original"),
                                 reason="the CPU tests' interpreter (TRITON_INTERPRET) is not in use")
@@ -47,3 +51,26 @@ def test_dtype_answers_are_the_interpreters():
         assert fast(t) == fast.original(t), t
     with pytest.raises(KeyError):
         fast(tl.void)  # what the interpreter cannot store, it still refuses
+
+
+@triton.jit
+def _doubled(x):
+    return x * 2
+
+
+@triton.jit
+def _double_kernel(X, Out, N: tl.constexpr):
+    i = tl.program_id(0) * N + tl.arange(0, N)
+    tl.store(Out + i, _doubled(tl.load(X + i)))
+
+
+def test_a_device_call_runs_in_its_kernels_patch(monkeypatch):
+    """Three programs each call a helper: the language is patched once, for the kernel (the interpreter alone patches
+    it again at each call: four times), the results are the helper's, and the builtins are back after the launch."""
+    patches = count_calls(monkeypatch, interpreter, ["_patch_lang_core"])
+    x = torch.arange(12, dtype=torch.float32)
+    out = torch.empty_like(x)
+    _double_kernel[(3,)](x, out, N=4)
+    assert patches["_patch_lang_core"] == 1
+    assert torch.equal(out, 2 * x)
+    assert tl.core.is_builtin(tl.load) and tl.core.is_builtin(tl.tensor.__mul__)

