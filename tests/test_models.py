@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from conftest import count_calls
 from transformers import AutoModelForCausalLM
 
 from unison.chat_templates import turn_end_ids
@@ -45,8 +46,9 @@ def test_missing_distribution_says_how_to_install():
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """The default model converted into a fresh cache: (model, tokenizer, folder, mtime of its weights)."""
-    pytest.importorskip("gguf")
+    """The default model converted into a fresh cache: (model, tokenizer, folder, mtime of its weights, the GGUF
+    readers made: how often the file's header was parsed)."""
+    gguf = pytest.importorskip("gguf")
     try:
         locate_gguf(KNOWN_MODELS[DEFAULT_MODEL])
     except FileNotFoundError as e:
@@ -54,14 +56,18 @@ def converted(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("UNISON_CACHE", str(tmp_path_factory.mktemp("cache")))
         torch.set_num_threads(min(2, torch.get_num_threads()))
+        parses = count_calls(mp, gguf.GGUFReader, ["__init__"])
         model, tokenizer = load_policy()
         folder = cache_dir() / DEFAULT_MODEL
         stamp = os.stat(folder / "model.safetensors").st_mtime_ns
-        yield model, tokenizer, folder, stamp
+        yield model, tokenizer, folder, stamp, parses["__init__"]
 
 
 def test_default_converts_once_into_the_cache(converted, monkeypatch):
-    model, _, folder, stamp = converted
+    """Once: the GGUF parsed once for the tokenizer, the config and the tensors (``unison.models._one_reader``), the
+    folder written once and reused."""
+    model, _, folder, stamp, parses = converted
+    assert parses == 1
     monkeypatch.setenv("UNISON_CACHE", str(folder.parent.parent))
     assert (folder / "config.json").is_file()
     assert [p.name for p in folder.parent.iterdir()] == [DEFAULT_MODEL]  # no temporary folder left behind
@@ -75,7 +81,7 @@ def test_default_converts_once_into_the_cache(converted, monkeypatch):
 def test_gguf_path_of_the_default_converts_once_like_the_default(converted, monkeypatch):
     """The default's GGUF given as a path (``--model.name_or_path=/path/to/x.gguf``) is the default's folder, not a
     second conversion (another GGUF file converts once into ``cache_dir()/gguf/<stem>-<key>``, the same code)."""
-    _, _, folder, stamp = converted
+    _, _, folder, stamp, _ = converted
     monkeypatch.setenv("UNISON_CACHE", str(folder.parent.parent))
     gguf = locate_gguf(KNOWN_MODELS[DEFAULT_MODEL])
     assert resolve_model(str(gguf)) == (str(folder), True)
@@ -84,7 +90,7 @@ def test_gguf_path_of_the_default_converts_once_like_the_default(converted, monk
 
 
 def test_tokenizer_chat_template_and_stop_ids(converted):
-    model, tokenizer, _, _ = converted
+    model, tokenizer, *_ = converted
     assert model.config._attn_implementation == "unison"
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert turn_end_ids(tokenizer) == [im_end]  # the real SmolLM2 tokenizer's turn ends at <|im_end|>
@@ -96,7 +102,7 @@ def test_tokenizer_chat_template_and_stop_ids(converted):
 
 
 def test_dequantised_model_answers_sensibly(converted):
-    model, tokenizer, _, _ = converted
+    model, tokenizer, *_ = converted
     text = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                          tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, return_tensors="pt").input_ids
@@ -107,7 +113,7 @@ def test_dequantised_model_answers_sensibly(converted):
 
 
 def test_unison_logits_equal_sdpa(converted):
-    model, tokenizer, folder, _ = converted
+    model, tokenizer, folder, *_ = converted
     local, _ = load_policy(str(folder))
     assert local.config._attn_implementation == "unison"
     sdpa = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()

@@ -13,6 +13,7 @@ Every model is built with ``attn_implementation="unison"`` (see ``unison.engine.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import logging
@@ -262,6 +263,29 @@ def locate_gguf(spec: GGUFModel) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _one_reader():
+    """Within the block, ``gguf.GGUFReader`` parses each file once: transformers reads a GGUF anew for the tokenizer,
+    the config and the tensors (``load_gguf_checkpoint`` makes a reader each time), and a reader's parse of the
+    default model's header (its 49k-token vocabulary and merges) took 5.7 of the conversion's 35 s, three times. A
+    reader only reads its file (a read-only memory map), so the three share one."""
+    import gguf
+
+    original, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def _load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Dequantise a GGUF into a float32 model and its tokenizer.
 
@@ -271,14 +295,15 @@ def _load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    except Exception as e:  # not a GGUF, or an architecture transformers cannot read from one
-        raise InvalidInputError(f"{path}: cannot read it as a GGUF model ({type(e).__name__}: {e})") from e
-    config.dtype = torch.float32
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    with _one_reader():
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        except Exception as e:  # not a GGUF, or an architecture transformers cannot read from one
+            raise InvalidInputError(f"{path}: cannot read it as a GGUF model ({type(e).__name__}: {e})") from e
+        config.dtype = torch.float32
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
