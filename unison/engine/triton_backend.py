@@ -24,14 +24,15 @@ from .rope_decode import equals_two_launches, rope_paged_decode
 from .triton_attention import num_splits, paged_decode
 from .triton_mla import is_latent, mla_decode
 
-INTERPRETED_MULTIPROCESSORS = 1
+INTERPRETED_ATTENTION_MULTIPROCESSORS = 1
 """The multiprocessors the decode splits plan for off the GPU (Triton's interpreter: the CPU tests). The interpreter
 runs a grid's programs one after another, ~10 ms each at the tests' shapes, so a split doubles a step's attention and
 adds the combine's launch, and buys nothing. With eight (as before), the runner's steps split in two (it plans for
 the longest context, 512 keys in the tests) and the engine tests' seven slowest files spent 681 s in the
 interpreter, 470 of them in the attention and the combine; with one, 398 s (a step splits only where it has fewer
 than three (sequence, KV head) programs). The engine's split path keeps its CPU test (tests/test_triton_engine.py
-plans one run for eight), the kernels theirs."""
+plans one run for eight), the kernels theirs. (The projections' shares plan for an H200's 132 in the interpreter,
+``fused_linear.INTERPRETED_MULTIPROCESSORS``: they cost the CPU tests ~12 s in all.)"""
 
 
 @triton.jit
@@ -99,7 +100,7 @@ class TritonPagedBackend:
         self.kernel_args = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
         cuda = self.device.type == "cuda"
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count if cuda
-                                else INTERPRETED_MULTIPROCESSORS)
+                                else INTERPRETED_ATTENTION_MULTIPROCESSORS)
         self.varlen = cuda and torch_varlen_attn is not None  # flash varlen: bf16 and fp16 only (checked per step)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
