@@ -21,7 +21,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 import unison.engine.attention  # noqa: F401  (registers the "unison" attention implementation)
 
-torch.set_num_threads(2)
+# Two threads on the CI's two cores; a process that a test launches beside others (a torchrun rank, a peer) keeps the
+# one its launcher asked for (OMP_NUM_THREADS=1): threads beyond the cores spin against each other's processes.
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 
 
 def tiny_llama(seed: int = 0, vocab: int = 256, max_pos: int = 512, dtype=torch.float32) -> LlamaForCausalLM:
