@@ -12,11 +12,12 @@ namespaces are listed once, here, before any kernel runs (nothing is patched yet
 whichever of those names still holds a builtin, as it did. The set of builtins is fixed when triton.language
 is imported (a patch swaps a builtin for its wrapper, a restore puts it back), so the wrappers are the same. Where
 the interpreter's internals differ from what this reads (Triton 3.9's), nothing is changed. It also remembers
-``_get_np_dtype``'s answers (the interpreter builds a dict of 19 numpy dtypes at each of its calls, ~40 us, and
-calls it for most operations: another 16 s there), keyed on the Triton type's class and value, which alone decide it.
-And a device call inside a running kernel skips the re-patch altogether where the kernel's patch covers it (the
-patch left ~0.3 ms a call after the search was gone, and the scan of the callee's globals for the language modules;
-``_skip_device_call_patches``): the decode attention kernel's launch 7-12% faster.
+``_get_np_dtype``'s answers (the interpreter builds a dict of 19 numpy dtypes at each of its calls, ~40 us, and calls
+it for most operations: another 16 s there), keyed on the Triton type's class and value, which alone decide it (a
+block type, unhashable, on its element type's, which decides its answer). And a device call inside a running kernel
+skips the re-patch altogether where the kernel's patch covers it (the patch left ~0.3 ms a call after the search was
+gone, and the scan of the callee's globals for the language modules; ``_skip_device_call_patches``): the decode
+attention kernel's launch 7-12% faster.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def speed_up() -> bool:
         known_dtypes: dict = {}
 
         def _get_np_dtype(tt_dtype):
+            if isinstance(tt_dtype, tl.block_type):  # (unhashable; its answer is its element type's)
+                tt_dtype = tt_dtype.element_ty
             key = (type(tt_dtype), tt_dtype)
             try:
                 return known_dtypes[key]
