@@ -54,10 +54,11 @@ class EngineConfig:
     piece_graphs: bool = True
     """The other eager steps (more prompt tokens than the row graphs take: long prompts, a large token budget) through
     CUDA graphs captured in pieces, one a layer, per padded token count up to max_batch_tokens; each layer's attention
-    runs eagerly between two (unison.engine.piece_graphs). On an H100, a prefill step of 8192 tokens at 0.6B took
-    24-27 ms against 25-42 eagerly, decode at 256 requests of 128 + 256 tokens gained 3.7-6%; where the host keeps up
-    with the eager step they cost ~2 ms of it, the cuts' two copies (26.4 against 24.1 ms; pieces/profile under
-    bench/results/h100/speed/pieces). Same models as row_graphs; needs cuda_graphs. ``UNISON_PIECE_GRAPHS=1`` or
+    runs eagerly between two (unison.engine.piece_graphs). A prefill step of 8192 tokens at 0.6B took 21.4 ms against
+    35.7 eagerly on an H200 (bench/results/h200/speed/goals5/pieces), 24-27 against 25-42 on an H100; decode at 256
+    requests of 128 + 256 tokens gained 1-9% on both; where the host keeps up with the eager step they cost ~2 ms of
+    it, the cuts' two copies (26.4 against 24.1 ms on an H100; pieces/profile under bench/results/h100/speed/pieces).
+    Same models as row_graphs; needs cuda_graphs. ``UNISON_PIECE_GRAPHS=1`` or
     ``=0`` decides whatever this says."""
     async_scheduling: bool = True
     """Overlap the host's work with the device's in decode-only steps through the runner (cuda_graphs): the next step
